@@ -1,0 +1,37 @@
+"""diststrat: run TensorFlow model code unchanged on one device, many, or a cluster.
+
+Example:
+  >>> import diststrat as ds
+  >>> ds.get_tower_context().num_towers
+  1
+"""
+
+from diststrat import _tf  # Checks TensorFlow first, with a message that says how to fix it.
+
+from diststrat import errors as errors
+from diststrat import values as values
+from diststrat import strategies as strategies
+from diststrat._context import TowerContext as TowerContext
+from diststrat._context import get_cross_tower_context as get_cross_tower_context
+from diststrat._context import get_distribution_strategy as get_distribution_strategy
+from diststrat._context import get_tower_context as get_tower_context
+from diststrat._context import get_update_device as get_update_device
+from diststrat._context import has_distribution_strategy as has_distribution_strategy
+from diststrat._strategy import DistributionStrategy as DistributionStrategy
+from diststrat.strategies import DefaultStrategy as DefaultStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistributionStrategy",
+    "DefaultStrategy",
+    "TowerContext",
+    "get_tower_context",
+    "get_cross_tower_context",
+    "get_distribution_strategy",
+    "has_distribution_strategy",
+    "get_update_device",
+    "errors",
+    "values",
+    "strategies",
+]

@@ -1,0 +1,265 @@
+"""The per-thread context stack: which strategy is in effect, and in which mode.
+
+Code runs in exactly one of two modes, decided per thread by the top of a stack:
+
+* **tower context**: model code for one tower. `get_tower_context()` gives its
+  `TowerContext` and `get_cross_tower_context()` is None.
+* **cross-tower context**: code that sees every tower at once (reductions, updates).
+  `get_cross_tower_context()` gives the strategy and `get_tower_context()` is None.
+
+A thread starts in the default tower context (tower 0 of 1, under the default strategy)::
+
+    default tower context            (nothing entered)
+      | with s.scope():
+      v
+    cross-tower context of s         (create variables, call reduce/update/...)
+      | s.call_for_each_tower(fn)
+      v
+    tower context of s, in each tower's thread, tower_id 0..N-1
+      | get_tower_context().merge_call(merge_fn)
+      v
+    cross-tower context of s         (merge_fn runs once, for all towers)
+      | merge_fn returns: each tower gets its part and goes on in its tower context
+      | fn returns: back to the cross-tower context of s; leaving scope(): the default
+
+`merge_call` from the default tower context enters the default strategy's cross-tower
+context. Contexts nest to any depth. Every push is paired with a pop in a `finally`.
+"""
+
+import contextlib
+import threading
+import typing
+
+from diststrat import _devices
+from diststrat import errors
+
+_state = threading.local()
+
+
+class _Mode(typing.NamedTuple):
+  strategy: typing.Any
+  tower_context: typing.Any  # None means cross-tower context of `strategy`.
+
+
+def _stack():
+  stack = getattr(_state, "stack", None)
+  if stack is None:
+    stack = _state.stack = []
+  return stack
+
+
+def _default_strategy():
+  from diststrat.strategies import _default  # pylint: disable=g-import-not-at-top
+  return _default.default_strategy()
+
+
+def _default_mode():
+  return _Mode(_default_strategy(), default_tower_context())
+
+
+def current_mode():
+  stack = _stack()
+  return stack[-1] if stack else _default_mode()
+
+
+def in_default_context():
+  """True when nothing is entered in this thread: the default tower context."""
+  return current_mode().tower_context is default_tower_context()
+
+
+@contextlib.contextmanager
+def enter_mode(strategy, tower_context=None):
+  """Pushes (strategy, tower_context) on this thread's stack for the body's duration."""
+  entry = _Mode(strategy, tower_context)
+  stack = _stack()
+  stack.append(entry)
+  try:
+    yield
+  finally:
+    # Remove our own entry even if an inner context forgot to pop its own.
+    for i in range(len(stack) - 1, -1, -1):
+      if stack[i] is entry:
+        del stack[i:]
+        break
+
+
+def cross_tower_mode(strategy):
+  """Context manager: the cross-tower context of `strategy`."""
+  return enter_mode(strategy, None)
+
+
+def get_tower_context():
+  """Returns the current `TowerContext`, or None in a cross-tower context.
+
+  Outside of any strategy this is the default tower context (tower 0 of 1).
+
+  Example:
+    >>> import diststrat as ds
+    >>> ds.get_tower_context().tower_id
+    0
+  """
+  return current_mode().tower_context
+
+
+def get_cross_tower_context():
+  """Returns the strategy whose cross-tower context this is, or None in a tower context.
+
+  Example:
+    >>> import diststrat as ds
+    >>> ds.get_cross_tower_context() is None
+    True
+  """
+  mode = current_mode()
+  return mode.strategy if mode.tower_context is None else None
+
+
+def get_distribution_strategy():
+  """Returns the strategy in effect: the one entered, else the default strategy.
+
+  Example:
+    >>> import diststrat as ds
+    >>> type(ds.get_distribution_strategy()).__name__
+    'DefaultStrategy'
+  """
+  return current_mode().strategy
+
+
+def has_distribution_strategy():
+  """True when a strategy other than the default one is in effect."""
+  return current_mode().strategy is not _default_strategy()
+
+
+# --- the device being updated inside update() / update_non_slot() ---
+
+
+def get_update_device():
+  """The device whose copy `update()`/`update_non_slot()` is writing, else None."""
+  stack = getattr(_state, "update_devices", None)
+  return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def update_device_scope(device):
+  stack = getattr(_state, "update_devices", None)
+  if stack is None:
+    stack = _state.update_devices = []
+  stack.append(device)
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+@contextlib.contextmanager
+def no_update_device():
+  """Hides the update device (for code that runs towers from inside an update)."""
+  saved = getattr(_state, "update_devices", None)
+  _state.update_devices = []
+  try:
+    yield
+  finally:
+    _state.update_devices = saved
+
+
+class TowerContext:
+  """The context of one tower: its id, the tower count, and `merge_call`.
+
+  Model code gets it with `get_tower_context()`. Outside of any strategy, that is the
+  default tower context (tower 0 of 1), whose `merge_call` enters the default
+  strategy's cross-tower context.
+
+  Example:
+    >>> import diststrat as ds
+    >>> def fn():
+    ...   ctx = ds.get_tower_context()
+    ...   return ctx.merge_call(lambda strategy, x: x + 1, ctx.tower_id)
+    >>> fn()
+    1
+  """
+
+  def __init__(self, distribution_strategy, tower_id, num_towers=1, device=None):
+    self._strategy = distribution_strategy
+    self._tower_id = tower_id
+    self._num_towers = num_towers
+    self._device = _devices.canonicalize(device) if device else None
+
+  @property
+  def distribution_strategy(self):
+    return self._strategy
+
+  @property
+  def tower_id(self):
+    return self._tower_id
+
+  @property
+  def num_towers(self):
+    return self._num_towers
+
+  @property
+  def is_single_tower(self):
+    return self._num_towers == 1
+
+  @property
+  def device(self):
+    """The tower's device (for the default tower context: the current device scope)."""
+    if self._device is None:
+      return _devices.current_device()
+    return self._device
+
+  def merge_call(self, merge_fn, *args, **kwargs):
+    """Runs `merge_fn(strategy, *args, **kwargs)` once, in cross-tower context.
+
+    Every tower pauses here. `merge_fn` sees each argument as the towers' values
+    regrouped (a `PerDevice` where they differ), and each tower gets back its own part
+    of the result.
+
+    Args:
+      merge_fn: called as `merge_fn(distribution_strategy, *merged_args, **merged_kwargs)`.
+      *args: this tower's positional arguments to merge.
+      **kwargs: this tower's keyword arguments to merge.
+
+    Returns:
+      This tower's part of `merge_fn`'s result.
+
+    Raises:
+      RuntimeError: this `TowerContext` is not the current one of this thread.
+    """
+    if get_tower_context() is not self:
+      raise errors.ContextError(
+          f"merge_call() was called on the TowerContext of tower {self._tower_id} "
+          f"of {self._strategy!r} from outside that tower (the current context is "
+          f"{describe_current_context()}). Call merge_call() on "
+          "get_tower_context() from inside the tower's own function.")
+    return self._merge_call(merge_fn, args, kwargs)
+
+  def _merge_call(self, merge_fn, args, kwargs):
+    """Runs merge_fn in this thread. Strategies with several towers override this."""
+    with cross_tower_mode(self._strategy):
+      return merge_fn(self._strategy, *args, **kwargs)
+
+  def __repr__(self):
+    return (f"TowerContext(tower_id={self._tower_id}, num_towers={self._num_towers}, "
+            f"strategy={self._strategy!r})")
+
+
+_DEFAULT_TOWER_CONTEXT = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_tower_context():
+  global _DEFAULT_TOWER_CONTEXT
+  if _DEFAULT_TOWER_CONTEXT is None:
+    with _DEFAULT_LOCK:
+      if _DEFAULT_TOWER_CONTEXT is None:
+        _DEFAULT_TOWER_CONTEXT = TowerContext(_default_strategy(), 0, 1)
+  return _DEFAULT_TOWER_CONTEXT
+
+
+def describe_current_context():
+  """A phrase naming the current context, for error messages."""
+  mode = current_mode()
+  if mode.tower_context is default_tower_context():
+    return "the default tower context (no strategy entered)"
+  if mode.tower_context is not None:
+    return f"the tower context of tower {mode.tower_context.tower_id} of {mode.strategy!r}"
+  return f"the cross-tower context of {mode.strategy!r}"

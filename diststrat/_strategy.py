@@ -1,0 +1,445 @@
+"""`DistributionStrategy`: the base class every strategy fills in.
+
+Each public method validates its arguments and the context it is called in, then calls
+an underscored hook. A new strategy is a subclass that implements the hooks listed under
+"Subclasses implement"; everything under "Shared behaviour" comes for free. See
+docs/write_your_own_strategy.md for a complete example.
+"""
+
+import contextlib
+import threading
+
+import wrapt
+
+from diststrat._tf import tf
+from diststrat import _context
+from diststrat import _devices
+from diststrat import errors
+from diststrat.values import _wrapped
+
+_AGGREGATIONS = {
+    "sum": tf.VariableAggregation.SUM,
+    "mean": tf.VariableAggregation.MEAN,
+}
+
+
+def canonical_aggregation(aggregation):
+  """Returns `tf.VariableAggregation.SUM` or `.MEAN` for `aggregation`, else raises.
+
+  Accepts `tf.VariableAggregation.SUM`, `tf.VariableAggregation.MEAN`, "sum" and "mean".
+  """
+  if isinstance(aggregation, str) and aggregation.lower() in _AGGREGATIONS:
+    return _AGGREGATIONS[aggregation.lower()]
+  if aggregation in (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN):
+    return aggregation
+  raise ValueError(
+      "aggregation must be one of tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN, "
+      f"'sum' or 'mean'. Received: aggregation={aggregation!r}")
+
+
+def as_tf_variable(value):
+  """A Keras 3 variable stands for the TensorFlow variable it holds; others pass through."""
+  # Keras 3 keeps the backend variable in `_value`; there is no public accessor that does
+  # not also cast or read it. Only objects from a keras module are unwrapped.
+  if type(value).__module__.startswith("keras") and hasattr(value, "_value"):
+    inner = getattr(value, "_value")
+    if isinstance(inner, tf.Variable):
+      return inner
+  return value
+
+
+def _needs_cross_tower(wrapped, instance, args, kwargs):
+  with instance._cross_tower_guard(wrapped.__name__):  # pylint: disable=protected-access
+    return wrapped(*args, **kwargs)
+
+
+cross_tower_method = wrapt.decorator(_needs_cross_tower)
+"""Decorator for strategy methods that run in the strategy's cross-tower context.
+
+It keeps the method's signature and docstring (wrapt), and raises a `ContextError`
+naming the fix when the method is called from a tower context or from another strategy's
+scope. From the default context (no strategy entered) the method enters the strategy's
+scope for its duration.
+"""
+
+
+class _StrategyScope:
+  """What `scope()` returns: enters the cross-tower context of a strategy."""
+
+  def __init__(self, strategy):
+    self._strategy = strategy
+    self._exit_stack = None
+
+  def __enter__(self):
+    strategy = self._strategy
+    mode = _context.current_mode()
+    if mode.strategy is strategy and not _context.in_default_context():
+      # Already in this strategy's cross-tower (or tower) context: nothing to do.
+      self._exit_stack = None
+      return strategy
+    if _context.has_distribution_strategy():
+      raise errors.ContextError(
+          f"Cannot enter the scope of {strategy!r} inside {_context.describe_current_context()}: "
+          f"strategies do not mix. Leave the scope of {mode.strategy!r} first, or use only "
+          "one strategy.")
+    stack = contextlib.ExitStack()
+    try:
+      stack.enter_context(_context.cross_tower_mode(strategy))
+      for manager in strategy._scope_context_managers():  # pylint: disable=protected-access
+        stack.enter_context(manager)
+    except BaseException:
+      stack.close()
+      raise
+    self._exit_stack = stack
+    return strategy
+
+  def __exit__(self, exc_type, exc, tb):
+    if self._exit_stack is not None:
+      stack, self._exit_stack = self._exit_stack, None
+      stack.close()
+    return False
+
+
+class DistributionStrategy:
+  """Runs model code on several devices: the base class of every strategy.
+
+  Use a strategy by entering its scope, creating variables, and running the model
+  function once per tower::
+
+      strategy = diststrat.MirroredStrategy()
+      with strategy.scope():
+        v = tf.Variable(1.0)                        # one copy per device
+        per_tower = strategy.call_for_each_tower(lambda: v * 2.0)
+        total = strategy.reduce("sum", per_tower)   # mirrored over the devices
+
+  To write a strategy, subclass this and implement the hooks (methods whose names
+  start with an underscore) listed under "Subclasses implement" below.
+  """
+
+  def __init__(self):
+    self._local = threading.local()
+
+  # ---------------------------------------------------------------------------------
+  # Shared behaviour: context checks and argument checks, then a hook.
+  # ---------------------------------------------------------------------------------
+
+  def scope(self):
+    """Returns a context manager: the cross-tower context of this strategy.
+
+    Variables created inside are made by this strategy's policy (mirrored copies for
+    `MirroredStrategy`). Entering it again inside itself does nothing; entering another
+    strategy's scope inside it raises `RuntimeError`.
+
+    Example:
+      >>> import diststrat as ds
+      >>> s = ds.DefaultStrategy()
+      >>> with s.scope():
+      ...   ds.get_cross_tower_context() is s
+      True
+    """
+    return _StrategyScope(self)
+
+  @cross_tower_method
+  def call_for_each_tower(self, fn, *args, **kwargs):
+    """Runs `fn(*args, **kwargs)` once per tower, each in that tower's context.
+
+    Wrapped arguments (`PerDevice`, `Mirrored`, distributed variables) are unwrapped:
+    tower i gets component i. Inside `fn`, `get_tower_context()` is the tower's context.
+
+    Returns:
+      The towers' results regrouped (see `diststrat.values.regroup`).
+    """
+    return self._call_for_each_tower(fn, args, kwargs)
+
+  @cross_tower_method
+  def reduce(self, aggregation, value, destinations=None):
+    """Combines a per-tower value across towers.
+
+    Args:
+      aggregation: "sum", "mean", or `tf.VariableAggregation.SUM`/`MEAN`.
+      value: a `PerDevice` (or a plain tensor, taken as one value).
+      destinations: None (the worker devices), a device string or a list of them, or
+        a variable (the devices holding it).
+
+    Returns:
+      The result mirrored over `destinations`.
+    """
+    aggregation = canonical_aggregation(aggregation)
+    return self._reduce(aggregation, value, self._resolve_destinations(destinations))
+
+  @cross_tower_method
+  def batch_reduce(self, aggregation, value_destination_pairs):
+    """Like `reduce` for each (value, destinations) pair, done together (faster)."""
+    aggregation = canonical_aggregation(aggregation)
+    pairs = []
+    for i, pair in enumerate(value_destination_pairs):
+      if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise ValueError(
+            "batch_reduce() takes a list of (value, destinations) pairs. Received: item "
+            f"{i} = {pair!r}")
+      pairs.append((pair[0], self._resolve_destinations(pair[1])))
+    return self._batch_reduce(aggregation, pairs)
+
+  @cross_tower_method
+  def broadcast(self, tensor, destinations=None):
+    """Copies `tensor` to `destinations` (default: the worker devices): a mirrored value."""
+    return self._broadcast(tensor, self._resolve_destinations(destinations))
+
+  @cross_tower_method
+  def update(self, var, fn, *args, **kwargs):
+    """Runs `fn(component, *args, **kwargs)` on each device that holds `var`.
+
+    Wrapped arguments are unwrapped to the component on the device being updated, and
+    `get_update_device()` names that device while `fn` runs.
+
+    Returns:
+      The results regrouped, with locality V(var).
+    """
+    return self._update(as_tf_variable(var), fn, args, kwargs)
+
+  @cross_tower_method
+  def update_non_slot(self, colocate_with, fn, *args, **kwargs):
+    """Runs `fn(*args, **kwargs)` on each of the non-slot devices `colocate_with`.
+
+    Args:
+      colocate_with: the result of `non_slot_devices(var_list)`.
+    """
+    return self._update_non_slot(colocate_with, fn, args, kwargs)
+
+  def non_slot_devices(self, var_list):
+    """A consistent choice of devices for variables that belong to no one variable."""
+    var_list = [as_tf_variable(v) for v in var_list]
+    if not var_list:
+      raise ValueError("non_slot_devices() needs at least one variable. Received: var_list=[]")
+    return self._non_slot_devices(var_list)
+
+  def colocate_vars_with(self, var):
+    """Context manager: variables created inside it live where `var` lives.
+
+    Must be used inside `scope()`.
+    """
+    if _context.get_distribution_strategy() is not self and not self._is_default():
+      raise errors.ContextError(
+          f"colocate_vars_with() of {self!r} must be used inside its scope(), but the "
+          f"current context is {_context.describe_current_context()}. Wrap the code in "
+          "`with strategy.scope():`.")
+    return self._colocate_vars_with(as_tf_variable(var))
+
+  @cross_tower_method
+  def read_var(self, v):
+    """The value of variable `v`; a tower-local variable gives its aggregated value."""
+    return self._read_var(as_tf_variable(v))
+
+  @cross_tower_method
+  def unwrap(self, value):
+    """The per-device components of `value`, as a list (`[value]` for a plain value)."""
+    return self._unwrap(value)
+
+  @cross_tower_method
+  def group(self, value, name=None):
+    """One op that runs every component of `value` (a no-op in eager mode)."""
+    components = []
+    for leaf in tf.nest.flatten(value, expand_composites=False):
+      for component in self._unwrap(leaf):
+        if component is not None:
+          components.append(component)
+    if tf.executing_eagerly():
+      return None
+    return tf.group(*components, name=name)
+
+  @cross_tower_method
+  def distribute_dataset(self, dataset_fn):
+    """Splits each global batch of `dataset_fn()` into per-tower batches."""
+    return self._distribute_dataset(dataset_fn)
+
+  @cross_tower_method
+  def gather(self, value, axis=0, destinations=None):
+    """Concatenates the towers' values along `axis`, in tower order.
+
+    The result lives on the first worker device, or is mirrored to `destinations`.
+    """
+    return self._gather(value, axis, self._resolve_destinations(destinations))
+
+  @property
+  def num_towers(self):
+    return self._num_towers()
+
+  @property
+  def is_single_tower(self):
+    return self._num_towers() == 1
+
+  @property
+  def worker_devices(self):
+    """The devices the towers run on, in tower order."""
+    return self._worker_devices()
+
+  @property
+  def parameter_devices(self):
+    """The devices variables live on."""
+    return self._parameter_devices()
+
+  @property
+  def worker_device_index(self):
+    """A wrapped value that gives each tower its index into `worker_devices`."""
+    with self._cross_tower_guard("worker_device_index"):
+      return self._worker_device_index()
+
+  def __repr__(self):
+    return f"{type(self).__name__}()"
+
+  # --- helpers shared by the public methods and by subclasses ---
+
+  def _is_default(self):
+    return self is _context._default_strategy()  # pylint: disable=protected-access
+
+  def _cross_tower_guard(self, method_name):
+    """Returns a context manager in which `method_name` may run, or raises."""
+    mode = _context.current_mode()
+    if mode.tower_context is None and mode.strategy is self:
+      return contextlib.nullcontext()
+    default = _context._default_strategy()  # pylint: disable=protected-access
+    if mode.tower_context is not None and mode.strategy is not default:
+      if mode.strategy is self:
+        raise errors.ContextError(
+            f"{type(self).__name__}.{method_name}() needs the cross-tower context, but it "
+            f"was called in {_context.describe_current_context()}. Use "
+            "get_tower_context().merge_call(merge_fn, ...) and call "
+            f"{method_name}() from merge_fn, which runs in the cross-tower context.")
+      raise errors.ContextError(
+          f"{type(self).__name__}.{method_name}() of {self!r} was called in "
+          f"{_context.describe_current_context()}: strategies do not mix. Call it "
+          "inside its own scope().")
+    if mode.strategy is default:
+      if _context.in_default_context() and self is default:
+        return contextlib.nullcontext()
+      if mode.tower_context is not None and mode.tower_context is not \
+          _context.default_tower_context():
+        raise errors.ContextError(
+            f"{type(self).__name__}.{method_name}() needs the cross-tower context, but it "
+            f"was called in {_context.describe_current_context()}. Use "
+            "get_tower_context().merge_call(merge_fn, ...) and call "
+            f"{method_name}() from merge_fn.")
+      # From the default context, a strategy's method runs inside its scope.
+      return self.scope()
+    raise errors.ContextError(
+        f"{type(self).__name__}.{method_name}() of {self!r} was called in "
+        f"{_context.describe_current_context()}: strategies do not mix. Call it "
+        "inside its own scope().")
+
+  def _resolve_destinations(self, destinations):
+    """None, or the tuple of canonical devices that `destinations` names."""
+    if destinations is None:
+      return None
+    return _wrapped.devices_of(as_tf_variable(destinations))
+
+  def _colocation_target(self):
+    """The variable given to the innermost `colocate_vars_with()` of this thread, or None."""
+    stack = getattr(self._local, "colocate", None)
+    return stack[-1] if stack else None
+
+  @contextlib.contextmanager
+  def _push_colocation(self, var):
+    stack = getattr(self._local, "colocate", None)
+    if stack is None:
+      stack = self._local.colocate = []
+    stack.append(var)
+    try:
+      yield
+    finally:
+      stack.pop()
+
+  def _tower_scope(self, tower_context):
+    """Context manager for subclasses: run the body as the tower of `tower_context`."""
+    return _context.enter_mode(self, tower_context)
+
+  def _variable_creator(self, next_creator, **kwargs):
+    return self._create_variable(next_creator, kwargs, self._colocation_target())
+
+  def _run_on_devices(self, devices, fn, args, kwargs, first_arg=None):
+    """Runs `fn` once per device with the update device set; regroups the results.
+
+    `first_arg`, if given, is a wrapped value whose component on each device becomes
+    fn's first argument (the variable in `update`).
+    """
+    results = []
+    for device in devices:
+      with tf.device(device), _context.update_device_scope(device):
+        call_args = _wrapped.select_device(device, args)
+        call_kwargs = _wrapped.select_device(device, kwargs)
+        if first_arg is not None:
+          call_args = (_wrapped.select_device(device, first_arg),) + tuple(call_args)
+        results.append(fn(*call_args, **call_kwargs))
+    return _wrapped.regroup(results, devices)
+
+  # ---------------------------------------------------------------------------------
+  # Subclasses implement:
+  # ---------------------------------------------------------------------------------
+
+  def _scope_context_managers(self):
+    """Context managers entered with `scope()` (default: this strategy's variable creator)."""
+    return [tf.variable_creator_scope(self._variable_creator)]
+
+  def _create_variable(self, next_creator, kwargs, colocate_with):
+    """Creates a variable by this strategy's policy. `next_creator(**kwargs)` makes one."""
+    raise NotImplementedError(f"{type(self).__name__} must implement _create_variable()")
+
+  def _colocate_vars_with(self, var):
+    return self._push_colocation(var)
+
+  def _call_for_each_tower(self, fn, args, kwargs):
+    raise NotImplementedError(f"{type(self).__name__} must implement _call_for_each_tower()")
+
+  def _reduce(self, aggregation, value, destinations):
+    raise NotImplementedError(f"{type(self).__name__} must implement _reduce()")
+
+  def _batch_reduce(self, aggregation, value_destination_pairs):
+    return [self._reduce(aggregation, value, destinations)
+            for value, destinations in value_destination_pairs]
+
+  def _broadcast(self, tensor, destinations):
+    raise NotImplementedError(f"{type(self).__name__} must implement _broadcast()")
+
+  def _update(self, var, fn, args, kwargs):
+    raise NotImplementedError(f"{type(self).__name__} must implement _update()")
+
+  def _update_non_slot(self, colocate_with, fn, args, kwargs):
+    raise NotImplementedError(f"{type(self).__name__} must implement _update_non_slot()")
+
+  def _non_slot_devices(self, var_list):
+    raise NotImplementedError(f"{type(self).__name__} must implement _non_slot_devices()")
+
+  def _read_var(self, v):
+    raise NotImplementedError(f"{type(self).__name__} must implement _read_var()")
+
+  def _unwrap(self, value):
+    if isinstance(value, _wrapped.DistributedValues):
+      return list(value.values)
+    return [value]
+
+  def _distribute_dataset(self, dataset_fn):
+    raise NotImplementedError(
+        f"{type(self).__name__} does not implement distribute_dataset().")
+
+  def _gather(self, value, axis, destinations):
+    components = self._unwrap(value)
+    if len(components) == 1:
+      gathered = components[0]
+    else:
+      with tf.device(self._worker_devices()[0]):
+        gathered = tf.concat(components, axis=axis)
+    if destinations is None:
+      return gathered
+    return self._broadcast(gathered, destinations)
+
+  def _num_towers(self):
+    raise NotImplementedError(f"{type(self).__name__} must implement _num_towers()")
+
+  def _worker_devices(self):
+    raise NotImplementedError(f"{type(self).__name__} must implement _worker_devices()")
+
+  def _parameter_devices(self):
+    raise NotImplementedError(f"{type(self).__name__} must implement _parameter_devices()")
+
+  def _worker_device_index(self):
+    devices = self._worker_devices()
+    return _wrapped.PerDevice({d: i for i, d in enumerate(devices)})

@@ -1,0 +1,39 @@
+"""The exceptions diststrat raises.
+
+Wrong contexts and cluster faults are `RuntimeError` subclasses; bad arguments are
+`ValueError` subclasses, so code that catches the builtin types keeps working.
+"""
+
+__all__ = [
+    "ContextError",
+    "MergeCallMismatchError",
+    "StructureMismatchError",
+    "ClusterError",
+]
+
+
+class ContextError(RuntimeError):
+  """A method was called in a context where it cannot run.
+
+  The message names the current context, the one the method needs and the strategy.
+  """
+
+
+class MergeCallMismatchError(RuntimeError):
+  """Some towers reached a `merge_call` that other towers returned without calling."""
+
+
+class StructureMismatchError(ValueError):
+  """Towers returned (or passed to `merge_call`) structures that differ."""
+
+
+class ClusterError(RuntimeError):
+  """A task of a parameter-server cluster died, froze or could not be reached.
+
+  Attributes:
+    task: the task's name, such as "/job:ps/replica:0/task:0", or None when unknown.
+  """
+
+  def __init__(self, message, task=None):
+    super().__init__(message)
+    self.task = task

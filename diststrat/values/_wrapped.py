@@ -1,0 +1,256 @@
+"""Wrapped values: one value per device, and moving between per-tower and wrapped forms."""
+
+from diststrat._tf import tf
+from diststrat import _context
+from diststrat import _devices
+from diststrat import errors
+
+
+class DistributedValues:
+  """A map from device to value, in the strategy's device order.
+
+  Device strings are canonicalized: `"/cpu:1"`, `"/device:CPU:1"` and
+  `"/job:localhost/replica:0/task:0/device:CPU:1"` name one device.
+
+  Example:
+    >>> from diststrat.values import PerDevice
+    >>> v = PerDevice({"/cpu:0": 1, "/cpu:1": 2})
+    >>> v.get("/device:CPU:1"), len(v), "/cpu:0" in v
+    (2, 2, True)
+  """
+
+  def __init__(self, index):
+    if not isinstance(index, dict) or not index:
+      raise ValueError(f"{type(self).__name__} takes a non-empty dict from device to value. "
+                       f"Received: {index!r}")
+    self._index = {}
+    for device, value in index.items():
+      key = _devices.canonicalize(device)
+      if key in self._index:
+        raise ValueError(f"{type(self).__name__} got device {device!r} twice (as {key}). "
+                         "Give each device once.")
+      self._index[key] = value
+
+  @property
+  def devices(self):
+    """The devices, as a tuple of canonical names, in strategy order."""
+    return tuple(self._index)
+
+  @property
+  def values(self):
+    """The values, as a tuple, in the order of `devices`."""
+    return tuple(self._index.values())
+
+  @property
+  def primary(self):
+    """The value on the first device."""
+    return next(iter(self._index.values()))
+
+  def get(self, device=None):
+    """The value on `device`.
+
+    Args:
+      device: a device string. None means the current tower's device, else the device
+        being updated (inside `update()`), else the current `tf.device` scope.
+
+    Raises:
+      ValueError: no value lives on that device.
+    """
+    explicit = device is not None
+    if device is None:
+      device = _implicit_device()
+    if device is not None:
+      key = _devices.canonicalize(device)
+      if key in self._index:
+        return self._index[key]
+    if not explicit and isinstance(self, Mirrored):
+      return self.primary  # Every copy holds the same value.
+    raise ValueError(
+        f"{type(self).__name__} has no value on device {device!r}"
+        f"{'' if explicit else ' (the current device)'}; it has values on "
+        f"{list(self._index)}. Pass one of these devices to get(), or run the code "
+        "under tf.device() of one of them.")
+
+  def __len__(self):
+    return len(self._index)
+
+  def __contains__(self, device):
+    try:
+      return _devices.canonicalize(device) in self._index
+    except ValueError:
+      return False
+
+  def __repr__(self):
+    items = ", ".join(f"{d!r}: {v!r}" for d, v in self._index.items())
+    return f"{type(self).__name__}({{{items}}})"
+
+
+class PerDevice(DistributedValues):
+  """A wrapped value whose components may differ: one per tower (locality T)."""
+
+
+class Mirrored(DistributedValues):
+  """A wrapped value whose components are copies of one value (localities M, V(v), N)."""
+
+
+def _implicit_device():
+  """The device `get()` means with no argument, or None when nothing names one."""
+  tower = _context.get_tower_context()
+  if tower is not None and tower is not _context.default_tower_context():
+    return tower.device
+  device = _context.get_update_device()
+  if device is not None:
+    return device
+  return _devices.current_device()
+
+
+def container_of(component):
+  """The distributed variable that `component` is one copy of, or None."""
+  return getattr(component, "_diststrat_container", None)
+
+
+# --- structures -----------------------------------------------------------------------
+
+
+def _is_namedtuple(x):
+  return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _describe(structure):
+  """A short rendering of a structure's shape, with leaves as `*`."""
+  if structure is None:
+    return "None"
+  if _is_namedtuple(structure):
+    inner = ", ".join(f"{k}={_describe(v)}" for k, v in zip(structure._fields, structure))
+    return f"{type(structure).__name__}({inner})"
+  if isinstance(structure, tuple):
+    return "(" + ", ".join(_describe(v) for v in structure) + ("," if len(structure) == 1 else "") + ")"
+  if isinstance(structure, list):
+    return "[" + ", ".join(_describe(v) for v in structure) + "]"
+  if isinstance(structure, dict):
+    return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in structure.items()) + "}"
+  return "*"
+
+
+def _kind(x):
+  if x is None:
+    return ("none",)
+  if _is_namedtuple(x):
+    return ("namedtuple", type(x), len(x))
+  if isinstance(x, tuple):
+    return ("tuple", len(x))
+  if isinstance(x, list):
+    return ("list", len(x))
+  if isinstance(x, dict):
+    return ("dict", tuple(sorted(map(repr, x))))
+  return ("leaf",)
+
+
+def regroup(values_per_tower, devices):
+  """Merges per-tower structures leaf by leaf into one structure of wrapped values.
+
+  Args:
+    values_per_tower: a list with one structure per tower. Structures are nested lists,
+      tuples, namedtuples, dicts and None; anything else is a leaf.
+    devices: the towers' devices, one per structure.
+
+  Returns:
+    The common structure where each leaf is: the same object if every tower has the
+    same object; the distributed variable if every tower has one copy of it; else a
+    `PerDevice` of the towers' leaves.
+
+  Raises:
+    ValueError: the towers' structures differ (names the towers and both structures).
+
+  Example:
+    >>> from diststrat.values import regroup
+    >>> r = regroup([{"a": 1, "b": None}, {"a": 2, "b": None}], ["/cpu:0", "/cpu:1"])
+    >>> r["a"].values, r["b"]
+    ((1, 2), None)
+  """
+  values_per_tower = list(values_per_tower)
+  devices = _devices.canonicalize_all(devices)
+  if len(values_per_tower) != len(devices):
+    raise ValueError(f"regroup() needs one structure per device: got "
+                     f"{len(values_per_tower)} structures for {len(devices)} devices.")
+  return _regroup(values_per_tower, devices, values_per_tower)
+
+
+def _regroup(items, devices, roots):
+  first = items[0]
+  kind = _kind(first)
+  for i, item in enumerate(items[1:], start=1):
+    if _kind(item) != kind:
+      raise errors.StructureMismatchError(
+          f"Towers must return (and pass to merge_call) the same structure, but tower 0 "
+          f"gave {_describe(roots[0])} and tower {i} gave {_describe(roots[i])}. Make "
+          "every tower build the same structure.")
+  if kind[0] == "none":
+    return None
+  if kind[0] == "namedtuple":
+    return type(first)(*[_regroup([it[j] for it in items], devices, roots)
+                         for j in range(len(first))])
+  if kind[0] in ("tuple", "list"):
+    merged = [_regroup([it[j] for it in items], devices, roots) for j in range(len(first))]
+    return tuple(merged) if kind[0] == "tuple" else merged
+  if kind[0] == "dict":
+    return {k: _regroup([it[k] for it in items], devices, roots) for k in first}
+  if all(item is first for item in items):
+    return first
+  container = container_of(first)
+  if container is not None and len(container.devices) == len(items) and all(
+      item is container.get(d) for item, d in zip(items, container.devices)):
+    return container
+  return PerDevice(dict(zip(devices, items)))
+
+
+def select_device(device, structure):
+  """Replaces every wrapped leaf of `structure` by its component on `device`.
+
+  The inverse of `regroup`: `select_device(devices[i], regroup(vals, devices))` gives
+  back tower i's structure.
+
+  Example:
+    >>> from diststrat.values import PerDevice, select_device
+    >>> select_device("/cpu:1", [PerDevice({"/cpu:0": "a", "/cpu:1": "b"}), 3])
+    ['b', 3]
+  """
+  device = _devices.canonicalize(device)
+  return _select(device, structure)
+
+
+def _select(device, x):
+  if isinstance(x, DistributedValues):
+    return x.get(device)
+  if x is None:
+    return None
+  if _is_namedtuple(x):
+    return type(x)(*[_select(device, v) for v in x])
+  if isinstance(x, tuple):
+    return tuple(_select(device, v) for v in x)
+  if isinstance(x, list):
+    return [_select(device, v) for v in x]
+  if isinstance(x, dict):
+    return {k: _select(device, v) for k, v in x.items()}
+  return x
+
+
+def devices_of(destinations):
+  """The canonical devices that `destinations` names, as a tuple.
+
+  `destinations` may be a device string, a list of them, a wrapped value or distributed
+  variable (its devices), a variable or a tensor (its device).
+  """
+  if isinstance(destinations, DistributedValues):
+    return destinations.devices
+  if isinstance(destinations, (str, tf.DeviceSpec)):
+    return (_devices.canonicalize(destinations),)
+  if isinstance(destinations, (list, tuple)) and destinations and all(
+      isinstance(d, (str, tf.DeviceSpec)) for d in destinations):
+    return _devices.canonicalize_all(destinations)
+  device = getattr(destinations, "device", None)
+  if isinstance(destinations, (tf.Variable, tf.Tensor)) and device:
+    return (_devices.canonicalize(device),)
+  raise ValueError(
+      "destinations must be None, a device string, a list of device strings, a variable "
+      f"or a wrapped value. Received: destinations={destinations!r}")

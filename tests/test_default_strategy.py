@@ -1,0 +1,103 @@
+"""The default strategy (SPEC section 3, last paragraph)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from conftest import CPUS
+
+
+@pytest.fixture
+def s():
+  return ds.get_distribution_strategy()
+
+
+def test_singleton(s):
+  assert ds.DefaultStrategy() is s and ds.strategies.DefaultStrategy() is s
+  assert s.num_towers == 1 and s.is_single_tower
+
+
+@pytest.mark.parametrize("use_function", [False, True])
+def test_call_for_each_tower_reduce_update(s, use_function):
+  v = tf.Variable([1.0, 2.0])
+
+  def step():
+    def fn(x):
+      ctx = ds.get_tower_context()
+      assert ctx.tower_id == 0 and ctx.num_towers == 1 and ctx.distribution_strategy is s
+      return x * 2.0
+    out = s.call_for_each_tower(fn, tf.constant([3.0, 4.0]))
+    total = s.reduce("sum", out, destinations=v)
+    mean = s.reduce(tf.VariableAggregation.MEAN, out)
+    s.update(v, lambda var, t: var.assign_add(t), total)
+    return mean
+
+  mean = tf.function(step)() if use_function else step()
+  np.testing.assert_allclose(mean, [6.0, 8.0])
+  np.testing.assert_allclose(v.numpy(), [7.0, 10.0])
+
+
+def test_reduce_returns_value_unchanged(s):
+  x = tf.constant([1.0, 2.0])
+  assert s.reduce("sum", x) is x
+  assert s.reduce("mean", x, destinations="/cpu:1") is x
+  assert s.batch_reduce("sum", [(x, None), (x, "/cpu:0")]) == [x, x]
+  assert s.broadcast(x) is x
+
+
+def test_update_runs_colocated_with_var(s):
+  with tf.device("/cpu:2"):
+    v = tf.Variable(1.0)
+  device, result = s.update(v, lambda var, k: (ds.get_update_device(), var.assign(k).device), 5.0)
+  assert device == CPUS[2] and result == CPUS[2]
+  assert v.numpy() == 5.0
+
+
+def test_update_non_slot_and_non_slot_devices(s):
+  with tf.device("/cpu:1"):
+    b = tf.Variable(1.0, name="b_var")
+  a = tf.Variable(1.0, name="a_var")
+  colocate = s.non_slot_devices([b, a])
+  assert colocate is a
+  with s.colocate_vars_with(colocate):
+    power = tf.Variable(0.5, name="power")
+  assert power.device == a.device
+  out = s.update_non_slot(colocate, lambda x: (ds.get_update_device(), power.assign(power * x)), 0.5)
+  assert out[0] == ds.values.PerDevice({a.device: 0}).devices[0]
+  assert power.numpy() == 0.25
+
+
+def test_non_slot_devices_needs_variables(s):
+  with pytest.raises(ValueError, match=r"non_slot_devices\(\) needs at least one variable"):
+    s.non_slot_devices([])
+
+
+def test_unwrap_read_var_group_gather(s):
+  x = tf.constant(3.0)
+  assert s.unwrap(x) == [x]
+  v = tf.Variable(4.0)
+  assert s.read_var(v).numpy() == 4.0
+  assert s.gather(x) is x
+  assert s.group(x) is None
+  assert s.worker_device_index == 0
+
+
+def test_devices_raise(s):
+  with pytest.raises(RuntimeError, match="default strategy has no worker devices"):
+    s.worker_devices  # pylint: disable=pointless-statement
+  with pytest.raises(RuntimeError, match="default strategy has no parameter devices"):
+    s.parameter_devices  # pylint: disable=pointless-statement
+
+
+def test_bad_aggregation(s):
+  with pytest.raises(ValueError, match="aggregation must be one of"):
+    s.reduce(tf.VariableAggregation.NONE, tf.constant(1.0))
+
+
+def test_keras_variable_stands_for_its_tf_variable(s):
+  keras = pytest.importorskip("keras")
+  kv = keras.Variable(np.array([1.0, 2.0], np.float32))
+  s.update(kv, lambda var: var.assign_add([1.0, 1.0]))
+  np.testing.assert_allclose(np.asarray(kv.numpy()), [2.0, 3.0])
+  assert s.non_slot_devices([kv]).name == kv.value.name if hasattr(kv.value, "name") else True

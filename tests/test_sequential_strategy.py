@@ -1,0 +1,102 @@
+"""A strategy written only by filling hooks works end to end, against numpy."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from sequential_strategy import SequentialStrategy
+from conftest import CPUS
+
+
+@pytest.mark.parametrize("num_towers", [1, 2, 4])
+@pytest.mark.parametrize("use_function", [False, True])
+def test_towers_reduce_and_update(num_towers, use_function):
+  s = SequentialStrategy(CPUS[:num_towers])
+  rng = np.random.default_rng(0)
+  data = rng.normal(size=(num_towers, 3)).astype(np.float32)
+  with s.scope():
+    v = tf.Variable(np.ones(3, np.float32))
+
+  def step():
+    def fn():
+      tid = ds.get_tower_context().tower_id
+      return tf.constant(data)[tid] * v
+    per_tower = s.call_for_each_tower(fn)
+    total = s.reduce("sum", per_tower, destinations=v)
+    mean = s.reduce(tf.VariableAggregation.MEAN, per_tower)
+    s.update(v, lambda var, t: var.assign_add(t), total)
+    return s.unwrap(mean)[0]
+
+  with s.scope():
+    mean = tf.function(step)() if use_function else step()
+  np.testing.assert_allclose(v.numpy(), 1 + data.sum(axis=0), rtol=1e-6)
+  np.testing.assert_allclose(mean, data.mean(axis=0), rtol=1e-6)
+
+
+def test_per_device_arguments_are_split():
+  s = SequentialStrategy(CPUS[:2])
+  arg = ds.values.PerDevice({CPUS[0]: 10, CPUS[1]: 20})
+  with s.scope():
+    result = s.call_for_each_tower(lambda a, b: (a + b, ds.get_tower_context().device),
+                                   arg, b=ds.values.Mirrored({CPUS[0]: 1, CPUS[1]: 1}))
+  assert result[0].values == (11, 21)
+  assert result[1].values == tuple(CPUS[:2])
+
+
+def test_worker_device_index():
+  s = SequentialStrategy(CPUS[:3])
+  with s.scope():
+    result = s.call_for_each_tower(lambda i: i * 2, s.worker_device_index)
+  assert result.values == (0, 2, 4)
+  assert s.worker_devices == tuple(CPUS[:3]) and s.num_towers == 3
+  assert not s.is_single_tower
+
+
+def test_batch_reduce_and_gather_match_numpy():
+  s = SequentialStrategy(CPUS[:4])
+  rng = np.random.default_rng(1)
+  a = [rng.normal(size=(2, 3)).astype(np.float32) for _ in range(4)]
+  b = [rng.normal(size=(5,)).astype(np.float32) for _ in range(4)]
+  with s.scope():
+    pa = s.call_for_each_tower(lambda i: tf.constant(np.stack(a))[i], s.worker_device_index)
+    pb = s.call_for_each_tower(lambda i: tf.constant(np.stack(b))[i], s.worker_device_index)
+    ra, rb = s.batch_reduce("sum", [(pa, None), (pb, CPUS[1])])
+    gathered = s.gather(pa, axis=1)
+  assert ra.devices == tuple(CPUS) and rb.devices == (CPUS[1],)
+  np.testing.assert_allclose(ra.get(CPUS[2]), np.sum(a, axis=0), rtol=1e-6)
+  np.testing.assert_allclose(rb.primary, np.sum(b, axis=0), rtol=1e-6)
+  np.testing.assert_allclose(gathered, np.concatenate(a, axis=1))
+
+
+def test_update_non_slot_and_group():
+  s = SequentialStrategy(CPUS[:2])
+  with s.scope():
+    w = tf.Variable(2.0, name="w")
+    a = tf.Variable(1.0, name="a")
+    colocate = s.non_slot_devices([w, a])
+    assert colocate is a
+    with s.colocate_vars_with(colocate):
+      counter = tf.Variable(0.0)
+    s.update_non_slot(colocate, lambda: counter.assign_add(1.0))
+    assert s.group(s.call_for_each_tower(lambda: tf.constant(1.0))) is None  # Eager.
+
+    @tf.function
+    def grouped():
+      op = s.group(s.call_for_each_tower(lambda: counter.assign_add(1.0)))
+      assert isinstance(op, tf.Operation)
+
+    grouped()
+  assert counter.numpy() == 3.0 and counter.device == a.device
+
+
+def test_bad_aggregation_and_pairs():
+  s = SequentialStrategy(CPUS[:2])
+  with s.scope():
+    with pytest.raises(ValueError, match=r"aggregation must be one of .*'sum' or 'mean'. "
+                                         r"Received: aggregation='max'"):
+      s.reduce("max", tf.constant(1.0))
+    with pytest.raises(ValueError, match=r"list of \(value, destinations\) pairs.*item 0"):
+      s.batch_reduce("sum", [tf.constant(1.0)])
+    with pytest.raises(ValueError, match="destinations must be None, a device string"):
+      s.reduce("sum", tf.constant(1.0), destinations=42)

@@ -1,0 +1,123 @@
+"""Wrapped values, regroup and select_device (SPEC section 4)."""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from diststrat.values import DistributedValues, Mirrored, PerDevice, regroup, select_device
+from conftest import CPUS
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+def test_device_spellings_are_one_device():
+  v = PerDevice({"/cpu:1": "a", "/device:CPU:2": "b"})
+  assert v.devices == (CPUS[1], CPUS[2])
+  for spelling in ("/cpu:1", "/device:CPU:1", CPUS[1], "/CPU:1"):
+    assert spelling in v
+    assert v.get(spelling) == "a"
+  assert "/cpu:3" not in v
+  assert len(v) == 2 and v.values == ("a", "b") and v.primary == "a"
+  assert isinstance(v, DistributedValues)
+
+
+def test_duplicate_device_raises():
+  with pytest.raises(ValueError, match=r"got device '/device:CPU:1' twice"):
+    PerDevice({"/cpu:1": 1, "/device:CPU:1": 2})
+  with pytest.raises(ValueError, match="non-empty dict from device to value"):
+    Mirrored({})
+
+
+def test_get_uses_tower_update_then_device_scope():
+  v = PerDevice({CPUS[0]: 0, CPUS[1]: 1})
+  with tf.device("/cpu:1"):
+    assert v.get() == 1
+  with tf.device("/cpu:0"):
+    assert v.get() == 0
+  s = ds.DefaultStrategy()
+  with tf.device("/cpu:1"):
+    var = tf.Variable(0.0)
+  assert s.update(var, lambda _: v.get()) == 1
+
+
+def test_get_missing_device_names_devices():
+  v = PerDevice({CPUS[0]: 0})
+  with pytest.raises(ValueError, match=r"has no value on device '/cpu:3'; it has values on"):
+    v.get("/cpu:3")
+  with tf.device("/cpu:2"):
+    with pytest.raises(ValueError, match="the current device"):
+      v.get()
+    # A mirrored value holds copies: any copy will do.
+    assert Mirrored({CPUS[0]: 5, CPUS[1]: 5}).get() == 5
+
+
+def test_repr_lists_devices_and_values():
+  v = PerDevice({"/cpu:0": tf.constant(1.5), "/cpu:1": 2})
+  text = repr(v)
+  assert text.startswith("PerDevice({")
+  assert CPUS[0] in text and CPUS[1] in text and "1.5" in text and ": 2" in text
+  assert repr(Mirrored({"/cpu:0": 3})).startswith("Mirrored({")
+
+
+def test_regroup_nested_structures():
+  shared = object()
+  towers = [
+      {"a": [1, (2, None)], "p": Point(x=shared, y=10), "s": shared},
+      {"a": [3, (4, None)], "p": Point(x=shared, y=20), "s": shared},
+  ]
+  r = regroup(towers, CPUS[:2])
+  assert set(r) == {"a", "p", "s"}
+  assert isinstance(r["a"], list) and isinstance(r["a"][1], tuple)
+  assert r["a"][0].values == (1, 3) and r["a"][1][0].values == (2, 4)
+  assert r["a"][1][1] is None
+  assert isinstance(r["p"], Point) and r["p"].x is shared and r["p"].y.values == (10, 20)
+  assert r["s"] is shared
+  assert isinstance(r["a"][0], PerDevice) and r["a"][0].devices == tuple(CPUS[:2])
+  # select_device inverts regroup.
+  for i, device in enumerate(CPUS[:2]):
+    assert select_device(device, r) == towers[i]
+
+
+def test_regroup_single_tower_returns_structure_unchanged():
+  t = tf.constant(1.0)
+  assert regroup([(t, [2])], CPUS[:1]) == (t, [2])
+
+
+def test_regroup_tensors_match_numpy():
+  parts = [tf.constant(np.full((2,), i, np.float32)) for i in range(4)]
+  r = regroup(parts, CPUS)
+  np.testing.assert_array_equal(np.stack([x.numpy() for x in r.values]),
+                                np.repeat(np.arange(4, dtype=np.float32)[:, None], 2, 1))
+
+
+@pytest.mark.parametrize("towers,message", [
+    ([(1, 2), (1, 2, 3)], r"tower 0 gave \(\*, \*\) and tower 1 gave \(\*, \*, \*\)"),
+    ([[1], (1,)], r"tower 0 gave \[\*\] and tower 1 gave \(\*,\)"),
+    ([{"a": 1}, {"b": 1}], r"tower 0 gave \{'a': \*\} and tower 1 gave \{'b': \*\}"),
+    ([None, 1], r"tower 0 gave None and tower 1 gave \*"),
+    ([Point(1, 2), (1, 2)], r"tower 0 gave Point\(x=\*, y=\*\) and tower 1 gave \(\*, \*\)"),
+])
+def test_regroup_structure_mismatch(towers, message):
+  with pytest.raises(ValueError, match=message):
+    regroup(towers, CPUS[:2])
+  with pytest.raises(ds.errors.StructureMismatchError):
+    regroup(towers, CPUS[:2])
+
+
+def test_regroup_mismatch_names_the_differing_tower():
+  with pytest.raises(ValueError, match="tower 2 gave"):
+    regroup([[1], [2], [3, 4]], CPUS[:3])
+
+
+def test_regroup_count_mismatch():
+  with pytest.raises(ValueError, match="one structure per device: got 1 structures for 2"):
+    regroup([1], CPUS[:2])
+
+
+def test_select_device_leaves_plain_values():
+  x = tf.constant(1.0)
+  m = Mirrored({CPUS[0]: "m0", CPUS[1]: "m1"})
+  assert select_device("/cpu:1", {"k": [x, m, None]}) == {"k": [x, "m1", None]}
