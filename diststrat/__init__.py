@@ -19,12 +19,14 @@ from diststrat._context import get_update_device as get_update_device
 from diststrat._context import has_distribution_strategy as has_distribution_strategy
 from diststrat._strategy import DistributionStrategy as DistributionStrategy
 from diststrat.strategies import DefaultStrategy as DefaultStrategy
+from diststrat.strategies import MirroredStrategy as MirroredStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DistributionStrategy",
     "DefaultStrategy",
+    "MirroredStrategy",
     "TowerContext",
     "get_tower_context",
     "get_cross_tower_context",

@@ -53,8 +53,14 @@ def _needs_cross_tower(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-cross_tower_method = wrapt.decorator(_needs_cross_tower)
-"""Decorator for strategy methods that run in the strategy's cross-tower context.
+def cross_tower_method(method):
+  # AutoGraph must call library methods as they are (it warns on wrapt wrappers and
+  # would convert our internals); do_not_convert marks the function, and the wrapt
+  # wrapper exposes that mark.
+  return wrapt.decorator(_needs_cross_tower)(tf.autograph.experimental.do_not_convert(method))
+
+
+cross_tower_method.__doc__ = """Decorator for strategy methods that run in the strategy's cross-tower context.
 
 It keeps the method's signature and docstring (wrapt), and raises a `ContextError`
 naming the fix when the method is called from a tower context or from another strategy's
@@ -311,7 +317,8 @@ class DistributionStrategy:
           "inside its own scope().")
     if mode.strategy is default:
       if _context.in_default_context() and self is default:
-        return contextlib.nullcontext()
+        # The default strategy's methods run in its cross-tower context.
+        return _context.cross_tower_mode(self)
       if mode.tower_context is not None and mode.tower_context is not \
           _context.default_tower_context():
         raise errors.ContextError(
@@ -369,7 +376,7 @@ class DistributionStrategy:
         if first_arg is not None:
           call_args = (_wrapped.select_device(device, first_arg),) + tuple(call_args)
         results.append(fn(*call_args, **call_kwargs))
-    return _wrapped.regroup(results, devices)
+    return _wrapped.regroup(results, devices, wrap_class=_wrapped.Mirrored)
 
   # ---------------------------------------------------------------------------------
   # Subclasses implement:

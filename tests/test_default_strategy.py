@@ -38,6 +38,13 @@ def test_call_for_each_tower_reduce_update(s, use_function):
   np.testing.assert_allclose(v.numpy(), [7.0, 10.0])
 
 
+def test_methods_run_in_default_cross_tower_context(s):
+  v = tf.Variable(1.0)
+  seen = s.update(v, lambda var: (ds.get_cross_tower_context(), ds.get_tower_context()))
+  assert seen == (s, None)
+  assert ds.get_cross_tower_context() is None  # Back in the default tower context.
+
+
 def test_reduce_returns_value_unchanged(s):
   x = tf.constant([1.0, 2.0])
   assert s.reduce("sum", x) is x

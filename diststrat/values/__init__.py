@@ -9,6 +9,9 @@ from diststrat.values._wrapped import Mirrored as Mirrored
 from diststrat.values._wrapped import PerDevice as PerDevice
 from diststrat.values._wrapped import regroup as regroup
 from diststrat.values._wrapped import select_device as select_device
+from diststrat.values._variables import DistributedVariable as DistributedVariable
+from diststrat.values._variables import MirroredVariable as MirroredVariable
+from diststrat.values._variables import TowerLocalVariable as TowerLocalVariable
 
 __all__ = [
     "DistributedValues",
@@ -16,4 +19,7 @@ __all__ = [
     "Mirrored",
     "regroup",
     "select_device",
+    "DistributedVariable",
+    "MirroredVariable",
+    "TowerLocalVariable",
 ]

@@ -146,13 +146,15 @@ def _kind(x):
   return ("leaf",)
 
 
-def regroup(values_per_tower, devices):
+def regroup(values_per_tower, devices, wrap_class=None):
   """Merges per-tower structures leaf by leaf into one structure of wrapped values.
 
   Args:
     values_per_tower: a list with one structure per tower. Structures are nested lists,
       tuples, namedtuples, dicts and None; anything else is a leaf.
     devices: the towers' devices, one per structure.
+    wrap_class: the class of the wrapped leaves (default `PerDevice`; `Mirrored` where
+      the values are known to be copies, as after `update`).
 
   Returns:
     The common structure where each leaf is: the same object if every tower has the
@@ -173,10 +175,10 @@ def regroup(values_per_tower, devices):
   if len(values_per_tower) != len(devices):
     raise ValueError(f"regroup() needs one structure per device: got "
                      f"{len(values_per_tower)} structures for {len(devices)} devices.")
-  return _regroup(values_per_tower, devices, values_per_tower)
+  return _regroup(values_per_tower, devices, values_per_tower, wrap_class or PerDevice)
 
 
-def _regroup(items, devices, roots):
+def _regroup(items, devices, roots, wrap_class):
   first = items[0]
   kind = _kind(first)
   for i, item in enumerate(items[1:], start=1):
@@ -188,20 +190,20 @@ def _regroup(items, devices, roots):
   if kind[0] == "none":
     return None
   if kind[0] == "namedtuple":
-    return type(first)(*[_regroup([it[j] for it in items], devices, roots)
+    return type(first)(*[_regroup([it[j] for it in items], devices, roots, wrap_class)
                          for j in range(len(first))])
   if kind[0] in ("tuple", "list"):
-    merged = [_regroup([it[j] for it in items], devices, roots) for j in range(len(first))]
+    merged = [_regroup([it[j] for it in items], devices, roots, wrap_class) for j in range(len(first))]
     return tuple(merged) if kind[0] == "tuple" else merged
   if kind[0] == "dict":
-    return {k: _regroup([it[k] for it in items], devices, roots) for k in first}
+    return {k: _regroup([it[k] for it in items], devices, roots, wrap_class) for k in first}
   if all(item is first for item in items):
     return first
   container = container_of(first)
   if container is not None and len(container.devices) == len(items) and all(
       item is container.get(d) for item, d in zip(items, container.devices)):
     return container
-  return PerDevice(dict(zip(devices, items)))
+  return wrap_class(dict(zip(devices, items)))
 
 
 def select_device(device, structure):

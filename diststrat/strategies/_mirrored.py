@@ -1,0 +1,190 @@
+"""`MirroredStrategy`: data parallelism over the devices of one machine."""
+
+from diststrat._tf import tf
+from diststrat import _devices
+from diststrat._strategy import DistributionStrategy
+from diststrat.strategies import _tower_threads
+from diststrat.values import _variables
+from diststrat.values import _wrapped
+
+
+def local_devices():
+  """All local GPUs, else all local CPU devices (logical devices, canonical names)."""
+  devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+  return tuple(_devices.canonicalize(d.name) for d in devices)
+
+
+def create_copies(next_creator, kwargs, devices):
+  """Creates one variable per device from one initial value, computed once.
+
+  Random initializers therefore give every copy the same value. Copies after the first
+  are named `<name>/tower_<i>`.
+  """
+  kwargs = dict(kwargs)
+  initial_value = kwargs.get("initial_value")
+  with tf.device(devices[0]):
+    if callable(initial_value):
+      initial_value = initial_value()
+    if not isinstance(initial_value, tf.Tensor) or kwargs.get("dtype") is not None:
+      initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
+  copies = {}
+  for i, device in enumerate(devices):
+    with tf.device(device):
+      if i == 0:
+        kwargs["initial_value"] = initial_value
+      else:
+        kwargs["initial_value"] = tf.identity(initial_value)
+        kwargs["name"] = f"{copies[devices[0]].name.split(':')[0]}/tower_{i}/"
+      copies[device] = next_creator(**kwargs)
+  return copies
+
+
+def make_distributed_variable(copies, kwargs):
+  """Wraps per-device copies as a MirroredVariable, or a TowerLocalVariable for ON_READ."""
+  synchronization = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
+  aggregation = kwargs.get("aggregation", tf.VariableAggregation.NONE)
+  if aggregation is None:
+    aggregation = tf.VariableAggregation.NONE
+  if synchronization == tf.VariableSynchronization.ON_READ:
+    return _variables.TowerLocalVariable(copies, aggregation)
+  return _variables.MirroredVariable(copies, aggregation)
+
+
+def check_variable_kwargs(kwargs):
+  synchronization = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
+  aggregation = kwargs.get("aggregation", tf.VariableAggregation.NONE)
+  if synchronization == tf.VariableSynchronization.ON_READ and aggregation not in (
+      tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN):
+    raise ValueError(
+        "A tower-local variable (synchronization=ON_READ) needs aggregation SUM or MEAN, "
+        f"to know how to combine the towers' copies on read. Received: "
+        f"aggregation={aggregation!r}, name={kwargs.get('name')!r}")
+
+
+class MirroredStrategy(DistributionStrategy):
+  """Data parallelism on the devices of one machine, variables mirrored on each.
+
+  `call_for_each_tower` runs the model function once per device, each tower in its own
+  thread (stepped one at a time, so runs are deterministic); `merge_call` pauses the
+  towers and runs a function once with all their values. Variables created in `scope()`
+  are `MirroredVariable`s: one copy per device, kept equal by `update`.
+
+  Args:
+    devices: the devices to run towers on. Default: all local GPUs, else all local CPU
+      devices.
+    cross_tower_ops: a `diststrat.cross_tower_ops.CrossTowerOps` that does reductions.
+      Default: `choose_cross_tower_ops(devices)`.
+    tower_timeout: seconds a tower may run between two pauses (merge_call or return)
+      before the call fails with an error naming the tower; a guard against hangs.
+
+  Example:
+    >>> import diststrat as ds, tensorflow as tf
+    >>> s = ds.MirroredStrategy(["/cpu:0"])
+    >>> with s.scope():
+    ...   v = tf.Variable(2.0)
+    ...   out = s.call_for_each_tower(lambda: v * 3.0)
+    ...   float(s.reduce("sum", out).primary)
+    6.0
+  """
+
+  def __init__(self, devices=None, cross_tower_ops=None,
+               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT):
+    super().__init__()
+    if devices is None:
+      devices = local_devices()
+    devices = _devices.canonicalize_all(devices)
+    if not devices:
+      raise ValueError("MirroredStrategy needs at least one device. Received: devices=[]")
+    self._devices = devices
+    self._cross_tower_ops = cross_tower_ops
+    self._tower_timeout = float(tower_timeout)
+
+  def __repr__(self):
+    return f"MirroredStrategy(devices={list(self._devices)})"
+
+  def _get_cross_tower_ops(self):
+    if self._cross_tower_ops is None:
+      from diststrat import cross_tower_ops  # pylint: disable=g-import-not-at-top
+      self._cross_tower_ops = cross_tower_ops.choose_cross_tower_ops(self._devices)
+    return self._cross_tower_ops
+
+  # --- variables ---
+
+  def _create_variable(self, next_creator, kwargs, colocate_with):
+    check_variable_kwargs(kwargs)
+    tower = _tower_threads.current_tower(self)
+    if tower is not None:
+      return self._shared_tower_variable(tower, next_creator, kwargs, colocate_with)
+    return self._create_distributed_variable(next_creator, kwargs, colocate_with)
+
+  def _create_distributed_variable(self, next_creator, kwargs, colocate_with):
+    if colocate_with is None:
+      devices = self._devices
+    else:
+      devices = _wrapped.devices_of(colocate_with)
+    return make_distributed_variable(create_copies(next_creator, kwargs, devices), kwargs)
+
+  def _shared_tower_variable(self, tower, next_creator, kwargs, colocate_with):
+    """Tower 0 creates each variable; tower i's n-th creation returns tower 0's n-th."""
+    store = tower.runner.shared_variables
+    index = tower.variables_created
+    tower.variables_created += 1
+    name = kwargs.get("name")
+    if tower.tower_id == 0:
+      variable = self._create_distributed_variable(next_creator, kwargs, colocate_with)
+      store.append((name, variable))
+      return variable
+    if index >= len(store):
+      raise ValueError(
+          f"Tower {tower.tower_id} created more variables than tower 0 (variable number "
+          f"{index}, name={name!r}). Every tower must create the same variables in the "
+          "same order; create them in scope() before call_for_each_tower to be sure.")
+    expected, variable = store[index]
+    if expected != name:
+      raise ValueError(
+          f"Tower {tower.tower_id}'s variable number {index} is named {name!r}, but tower "
+          f"0's is named {expected!r}. Every tower must create the same variables in the "
+          "same order.")
+    return variable
+
+  # --- towers ---
+
+  def _call_for_each_tower(self, fn, args, kwargs):
+    runner = _tower_threads.TowerRunner(self, self._devices, self._tower_timeout)
+    return _wrapped.regroup(runner.run(fn, args, kwargs), self._devices)
+
+  # --- reductions and updates ---
+
+  def _reduce(self, aggregation, value, destinations):
+    return self._get_cross_tower_ops().reduce(aggregation, value, destinations or self._devices)
+
+  def _batch_reduce(self, aggregation, value_destination_pairs):
+    pairs = [(v, d or self._devices) for v, d in value_destination_pairs]
+    return self._get_cross_tower_ops().batch_reduce(aggregation, pairs)
+
+  def _broadcast(self, tensor, destinations):
+    return self._get_cross_tower_ops().broadcast(tensor, destinations or self._devices)
+
+  def _update(self, var, fn, args, kwargs):
+    devices = _wrapped.devices_of(var)
+    return self._run_on_devices(devices, fn, args, kwargs, first_arg=var)
+
+  def _update_non_slot(self, colocate_with, fn, args, kwargs):
+    return self._run_on_devices(_wrapped.devices_of(list(colocate_with)), fn, args, kwargs)
+
+  def _non_slot_devices(self, var_list):
+    return self._devices
+
+  def _read_var(self, v):
+    return tf.identity(v.read_value())
+
+  # --- devices ---
+
+  def _num_towers(self):
+    return len(self._devices)
+
+  def _worker_devices(self):
+    return self._devices
+
+  def _parameter_devices(self):
+    return self._devices

@@ -1,0 +1,232 @@
+"""Runs a function once per tower, each in its own thread, stepped one at a time.
+
+Why threads: model code calls `merge_call` in the middle of a tower function and expects
+to continue from there with the merged result, so each tower needs its own stack. The
+towers do not run Python in parallel: the calling thread lets tower 0 run until it
+pauses (at `merge_call` or on return), then tower 1, and so on, so graphs, names and
+variables come out the same on every run. Parallelism comes from TensorFlow's runtime.
+
+Each tower thread starts from the calling thread's TensorFlow state: its graph (so towers
+can build a `tf.function`), name scope, variable creator stack and control
+dependencies, plus the tower's device scope and `TowerContext`. Every thread is joined
+before `run()` returns or raises, and every wait is bounded by `timeout`.
+"""
+
+import contextlib
+
+import threading
+
+from diststrat._tf import tf
+from diststrat import _context
+from diststrat import _tf_internal
+from diststrat import errors
+from diststrat.values import _wrapped
+
+DEFAULT_TOWER_TIMEOUT = 600.0
+"""Seconds a tower may run between two pauses before the call fails (not a hang)."""
+
+_JOIN_TIMEOUT = 30.0
+
+
+class TowerTimeoutError(RuntimeError):
+  """A tower neither reached `merge_call` nor returned within the strategy's timeout."""
+
+
+class _Aborted(BaseException):
+  """Raised inside a paused tower to unwind it when the call fails elsewhere."""
+
+
+def add_tower_note(exc, text):
+  """Adds `text` to `exc` as a note (Python >= 3.11) or to its message."""
+  if hasattr(exc, "add_note"):
+    exc.add_note(text)
+  elif exc.args and isinstance(exc.args[0], str):
+    exc.args = (f"{exc.args[0]}\n{text}",) + exc.args[1:]
+
+
+class _Captured:
+  """The calling thread's TensorFlow state that tower threads start from."""
+
+  def __init__(self):
+    self.eager = tf.executing_eagerly()
+    self.graph = tf.compat.v1.get_default_graph()
+    self.name_scope = tf.get_current_name_scope()
+    self.creator_stack = _tf_internal.variable_creator_stack()
+    self.control_inputs = _tf_internal.current_control_dependencies()
+
+  @contextlib.contextmanager
+  def enter(self, device):
+    with contextlib.ExitStack() as stack:
+      if not self.eager:
+        stack.enter_context(self.graph.as_default())
+      saved_creators = _tf_internal.variable_creator_stack()
+      _tf_internal.set_variable_creator_stack(self.creator_stack)
+      stack.callback(_tf_internal.set_variable_creator_stack, saved_creators)
+      if self.control_inputs:
+        stack.enter_context(self.graph.control_dependencies(self.control_inputs))
+      if self.name_scope:
+        stack.enter_context(tf.name_scope(self.name_scope + "/"))
+      stack.enter_context(tf.device(device))
+      yield
+
+
+class ThreadedTowerContext(_context.TowerContext):
+  """The `TowerContext` of a tower run in its own thread: `merge_call` pauses it."""
+
+  def __init__(self, tower, strategy, tower_id, num_towers, device):
+    super().__init__(strategy, tower_id, num_towers, device)
+    self._tower = tower
+
+  def _merge_call(self, merge_fn, args, kwargs):
+    return self._tower.pause_for_merge(merge_fn, args, kwargs)
+
+
+class _Tower:
+  """One tower's thread and the hand-over state between it and the calling thread."""
+
+  def __init__(self, runner, tower_id, device, fn, args, kwargs):
+    self.runner = runner
+    self.tower_id = tower_id
+    self.device = device
+    self._fn, self._args, self._kwargs = fn, args, kwargs
+    self.go = threading.Event()      # caller -> tower: run until the next pause
+    self.paused = threading.Event()  # tower -> caller: at merge_call, or finished
+    self.aborted = False
+    self.done = False
+    self.result = None
+    self.error = None
+    self.merge_fn = None
+    self.merge_args = None
+    self.merge_kwargs = None
+    self.merge_name_scope = ""
+    self.merge_result = None
+    self.variables_created = 0
+    self.thread = threading.Thread(target=self._main, daemon=True,
+                                   name=f"diststrat-tower-{tower_id}")
+
+  def _wait_for_go(self):
+    if not self.go.wait(self.runner.timeout + _JOIN_TIMEOUT):
+      self.aborted = True  # The caller is gone; do not run.
+    self.go.clear()
+    if self.aborted:
+      raise _Aborted()
+
+  def _main(self):
+    try:
+      self._wait_for_go()
+      context = ThreadedTowerContext(self, self.runner.strategy, self.tower_id,
+                                     len(self.runner.devices), self.device)
+      with self.runner.captured.enter(self.device), \
+          self.runner.strategy._tower_scope(context):  # pylint: disable=protected-access
+        self.result = self._fn(*self._args, **self._kwargs)
+    except _Aborted:
+      pass
+    except BaseException as e:  # pylint: disable=broad-except
+      self.error = e
+    finally:
+      self.done = True
+      self.paused.set()
+
+  def pause_for_merge(self, merge_fn, args, kwargs):
+    """Called in the tower thread by merge_call: hand over, wait, return our part."""
+    self.merge_fn, self.merge_args, self.merge_kwargs = merge_fn, args, kwargs
+    self.merge_name_scope = tf.get_current_name_scope()
+    self.paused.set()
+    self._wait_for_go()
+    result, self.merge_result = self.merge_result, None
+    self.merge_args = self.merge_kwargs = None
+    return result
+
+
+class TowerRunner:
+  """Runs `fn` once per device in tower threads; see the module docstring."""
+
+  def __init__(self, strategy, devices, timeout=DEFAULT_TOWER_TIMEOUT):
+    self.strategy = strategy
+    self.devices = tuple(devices)
+    self.timeout = timeout
+    self.captured = None
+    self.shared_variables = []  # (requested name, variable) created by tower 0, in order.
+
+  def run(self, fn, args, kwargs):
+    """Returns the list of the towers' results, in tower order."""
+    self.captured = _Captured()
+    towers = [_Tower(self, i, d, fn, _wrapped.select_device(d, args),
+                     _wrapped.select_device(d, kwargs))
+              for i, d in enumerate(self.devices)]
+    for tower in towers:
+      tower.thread.start()
+    try:
+      while True:
+        for tower in towers:
+          self._step(tower)
+        finished = [t for t in towers if t.done]
+        if len(finished) == len(towers):
+          return [t.result for t in towers]
+        if finished:
+          raise self._mismatch(towers)
+        self._merge(towers)
+    except BaseException:
+      self._abort(towers)
+      raise
+    finally:
+      for tower in towers:
+        tower.thread.join(_JOIN_TIMEOUT)
+
+  def _step(self, tower):
+    tower.go.set()
+    if not tower.paused.wait(self.timeout):
+      raise TowerTimeoutError(
+          f"Tower {tower.tower_id} of {self.strategy!r} (device {tower.device}) neither "
+          f"reached merge_call() nor returned within {self.timeout:g} s. Towers run one "
+          "at a time, so a tower must not wait for another one (for example on an eager "
+          "collective op); do such work inside merge_call() or a tf.function. Raise the "
+          "limit with the strategy's tower_timeout argument if the work is just slow.")
+    tower.paused.clear()
+    if tower.error is not None:
+      error = tower.error
+      add_tower_note(error, f"(raised in tower {tower.tower_id} of {self.strategy!r}, "
+                     f"on device {tower.device})")
+      raise error.with_traceback(error.__traceback__)
+
+  def _mismatch(self, towers):
+    waiting = [t.tower_id for t in towers if not t.done]
+    returned = [t.tower_id for t in towers if t.done]
+    return errors.MergeCallMismatchError(
+        f"Towers {waiting} called merge_call() but towers {returned} returned without "
+        f"calling it, in {self.strategy!r}. Every tower must make the same merge_call()s "
+        "in the same order (check for branches on tower_id around merge_call or an "
+        "optimizer's apply_gradients).")
+
+  def _merge(self, towers):
+    first = towers[0]
+    merged_args = _wrapped.regroup([t.merge_args for t in towers], self.devices)
+    merged_kwargs = _wrapped.regroup([t.merge_kwargs for t in towers], self.devices)
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(_context.cross_tower_mode(self.strategy))
+      if first.merge_name_scope:
+        stack.enter_context(tf.name_scope(first.merge_name_scope + "/"))
+      try:
+        result = first.merge_fn(self.strategy, *merged_args, **merged_kwargs)
+      except BaseException as e:
+        if not isinstance(e, _Aborted):
+          add_tower_note(e, f"(raised in merge_fn {getattr(first.merge_fn, '__name__', '')} "
+                         f"called by towers 0-{len(towers) - 1} of {self.strategy!r})")
+        raise
+    for tower in towers:
+      tower.merge_result = _wrapped.select_device(tower.device, result)
+
+  def _abort(self, towers):
+    for tower in towers:
+      tower.aborted = True
+      tower.go.set()
+
+
+def current_tower(strategy):
+  """The `_Tower` of the calling thread if it is a tower thread of `strategy`, else None."""
+  context = _context.get_tower_context()
+  if isinstance(context, ThreadedTowerContext) and context.distribution_strategy is strategy:
+    return context._tower  # pylint: disable=protected-access
+  return None
+
+

@@ -1,0 +1,325 @@
+"""Distributed variables: one TensorFlow variable per device, used as one variable.
+
+`MirroredVariable` keeps its copies equal (every write goes to all of them).
+`TowerLocalVariable` lets each tower write its own copy and aggregates them on read.
+
+Both subclass `tf.Variable`, so TensorFlow ops, operators, `tf.GradientTape`, `tf.Module`,
+Keras 3 layers and `tf.train.Checkpoint` accept them. Every read and write goes to one
+component chosen by context (`_component()`), so there is no operator code here: the
+operators `tf.Variable` defines call `value()`.
+"""
+
+import numpy as np
+
+from diststrat._tf import tf
+from diststrat import _context
+from diststrat.values import _wrapped
+
+_VARIABLE_VALUE = "VARIABLE_VALUE"  # The key a plain tf.Variable saves its value under.
+_TOWER_AGGREGATIONS = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN,
+                       tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
+def _in_real_tower():
+  tower = _context.get_tower_context()
+  return tower is not None and tower is not _context.default_tower_context()
+
+
+class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
+  """Base of the distributed variables: one `tf.Variable` component per device."""
+
+  # Makes tf.GradientTape and friends treat this object as a resource variable: they
+  # then use `.handle`, the handle of the component for the current context.
+  _should_act_as_resource_variable = True
+
+  def __init__(self, index, aggregation=tf.VariableAggregation.NONE):
+    _wrapped.DistributedValues.__init__(self, index)
+    self._aggregation = aggregation
+    for component in self._index.values():
+      component._diststrat_container = self  # pylint: disable=protected-access
+
+  # --- which component a read or write uses ---
+
+  def _component(self):
+    """The component for the current context: tower, then update device, then primary."""
+    device = None
+    if _in_real_tower():
+      device = _context.get_tower_context().device
+    if device is None or device not in self._index:
+      device = _context.get_update_device()
+    if device is not None and device in self._index:
+      return self._index[device]
+    return self.primary
+
+  # --- tf.Variable's properties, from the component ---
+
+  @property
+  def name(self):
+    return self.primary.name
+
+  @property
+  def _shared_name(self):
+    return self.primary._shared_name  # pylint: disable=protected-access
+
+  @property
+  def _unique_id(self):
+    return self.primary._unique_id  # pylint: disable=protected-access
+
+  @property
+  def dtype(self):
+    return self.primary.dtype
+
+  @property
+  def shape(self):
+    return self.primary.shape
+
+  def get_shape(self):
+    return self.primary.get_shape()
+
+  @property
+  def trainable(self):
+    return self.primary.trainable
+
+  @property
+  def synchronization(self):
+    return self.primary.synchronization
+
+  @property
+  def aggregation(self):
+    return self._aggregation
+
+  @property
+  def constraint(self):
+    return self.primary.constraint
+
+  @property
+  def device(self):
+    return self._component().device
+
+  @property
+  def handle(self):
+    return self._component().handle
+
+  @property
+  def graph(self):
+    return self.primary.graph
+
+  @property
+  def op(self):
+    return self._component().op
+
+  @property
+  def initializer(self):
+    if tf.executing_eagerly():
+      return None
+    return tf.group(*[c.initializer for c in self._index.values()])
+
+  @property
+  def initial_value(self):
+    return self.primary.initial_value
+
+  @property
+  def _in_graph_mode(self):
+    return self.primary._in_graph_mode  # pylint: disable=protected-access
+
+  def is_initialized(self, name=None):
+    return tf.reduce_all([c.is_initialized() for c in self._index.values()], name=name)
+
+  # --- reads ---
+
+  def value(self):
+    return self._component().value()
+
+  def read_value(self):
+    return self._component().read_value()
+
+  def sparse_read(self, indices, name=None):
+    return self._component().sparse_read(indices, name=name)
+
+  def gather_nd(self, indices, name=None):
+    return self._component().gather_nd(indices, name=name)
+
+  def numpy(self):
+    if not tf.executing_eagerly():
+      raise NotImplementedError("numpy() is only available in eager mode.")
+    return self.read_value().numpy()
+
+  def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+    # pylint: disable=protected-access
+    return self._component()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # numpy() always returns a new array.
+    value = np.asarray(self.numpy())
+    return value if dtype is None else value.astype(dtype)
+
+  # tf.Variable defines __hash__/__eq__ elementwise; keep identity semantics for keys.
+  __hash__ = tf.Variable.__hash__
+  __eq__ = tf.Variable.__eq__
+  __ne__ = tf.Variable.__ne__
+
+  def __repr__(self):
+    items = ", ".join(f"{d!r}: {c!r}" for d, c in self._index.items())
+    return f"{type(self).__name__}({{{items}}})"
+
+  # --- writes: subclasses decide ---
+
+  def assign(self, value, use_locking=False, name=None, read_value=True):
+    return self._write("assign", value, read_value)
+
+  def assign_add(self, delta, use_locking=False, name=None, read_value=True):
+    return self._write("assign_add", delta, read_value)
+
+  def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
+    return self._write("assign_sub", delta, read_value)
+
+  def _write(self, method, value, read_value):
+    raise NotImplementedError
+
+  def _write_all(self, method, value, read_value, scale=None):
+    """Writes `value` (plain or wrapped) into every component; returns like tf.Variable."""
+    ops = []
+    for device, component in self._index.items():
+      with tf.device(device):
+        v = _wrapped.select_device(device, value)
+        if scale is not None:
+          v = tf.convert_to_tensor(v, dtype=self.dtype) * tf.cast(scale, self.dtype)
+        ops.append(getattr(component, method)(v, read_value=False))
+    if read_value:
+      return self
+    if tf.executing_eagerly():
+      return None
+    return tf.group(*ops)
+
+  # --- checkpoints: one value under the plain variable's key ---
+
+  def _saved_value(self):
+    return self.primary.read_value()
+
+  def _serialize_to_tensors(self):
+    return {_VARIABLE_VALUE: self._saved_value()}
+
+  def _restore_from_tensors(self, restored_tensors):
+    value = restored_tensors[_VARIABLE_VALUE]
+    return self._restore_value(value)
+
+  def _restore_value(self, value):
+    ops = []
+    for device, component in self._index.items():
+      with tf.device(device):
+        ops.append(component.assign(tf.cast(value, self.dtype), read_value=False))
+    return None if tf.executing_eagerly() else tf.group(*ops)
+
+  def _copy_trackable_to_cpu(self, object_map):
+    # Asynchronous checkpoints copy the variable to the host; one copy is the value.
+    self.primary._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+    object_map[self] = object_map[self.primary]
+
+
+class MirroredVariable(DistributedVariable, _wrapped.Mirrored):
+  """A variable with one copy per device, kept equal.
+
+  Reads in a tower give that tower's copy; in cross-tower context, the copy on the
+  device being updated, else the primary (first) copy. In cross-tower context
+  `assign*` writes every copy. In a tower, `assign*` needs an aggregation other than
+  NONE: the towers' values are combined through `merge_call`, then every copy is
+  written. Create one inside `MirroredStrategy.scope()` with `tf.Variable(...)`.
+
+  Example:
+    >>> import diststrat as ds, tensorflow as tf
+    >>> s = ds.MirroredStrategy(["/cpu:0"])
+    >>> with s.scope():
+    ...   v = tf.Variable(1.0)
+    >>> type(v).__name__, float(v + 1.0)
+    ('MirroredVariable', 2.0)
+  """
+
+  def _write(self, method, value, read_value):
+    if not _in_real_tower():
+      return self._write_all(method, value, read_value)
+    if self._aggregation == tf.VariableAggregation.NONE:
+      raise ValueError(
+          f"Cannot {method}() the mirrored variable {self.name!r} in a tower context "
+          "with aggregation NONE: diststrat would not know how to combine the towers' "
+          "values. Create it with tf.Variable(..., aggregation=tf.VariableAggregation.SUM) "
+          "(or MEAN, ONLY_FIRST_REPLICA), or write it in cross-tower context "
+          "(strategy.update() or merge_call).")
+    aggregation = self._aggregation
+
+    def merge_fn(strategy, value):
+      if aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA:
+        value = strategy.unwrap(value)[0]
+      else:
+        value = strategy.reduce(aggregation, value, destinations=self)
+      return strategy.update(self, lambda component, v: getattr(component, method)(
+          v, read_value=False), value)
+
+    _context.get_tower_context().merge_call(merge_fn, value)
+    if read_value:
+      return self
+    return None if tf.executing_eagerly() else tf.no_op()
+
+
+class TowerLocalVariable(DistributedVariable):
+  """A variable each tower writes on its own; reads in cross-tower context aggregate.
+
+  Made by `tf.Variable(..., synchronization=tf.VariableSynchronization.ON_READ,
+  aggregation=SUM or MEAN)` inside a strategy's scope; typical for metrics. In a tower,
+  reads and writes use the tower's copy. In cross-tower context, reading (or
+  `strategy.read_var`) gives the copies summed or averaged; `assign` sets the copies
+  so that their aggregate is the value assigned. A checkpoint saves the aggregate.
+  """
+
+  def _aggregate(self):
+    values = [c.read_value() for c in self._index.values()]
+    with tf.device(self.devices[0]):
+      total = tf.math.add_n(values) if len(values) > 1 else tf.identity(values[0])
+      if self._aggregation == tf.VariableAggregation.MEAN:
+        total = total / tf.cast(len(values), total.dtype)
+    return total
+
+  def value(self):
+    if _in_real_tower() or _context.get_update_device() is not None:
+      return self._component().value()
+    return self._aggregate()
+
+  def read_value(self):
+    return self.value()
+
+  def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+    if _in_real_tower() or _context.get_update_device() is not None:
+      return super()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
+    value = self._aggregate()
+    return value if dtype is None else tf.cast(value, dtype)
+
+  def _write(self, method, value, read_value):
+    if _in_real_tower() or _context.get_update_device() is not None:
+      component = self._component()
+      result = getattr(component, method)(value, read_value=False)
+      return self if read_value else result
+    return self._write_all(method, value, read_value, scale=self._split_scale(method))
+
+  def _split_scale(self, method):
+    # For a sum, spread the value (or delta) over the copies so that they add up to it.
+    del method
+    if self._aggregation == tf.VariableAggregation.SUM:
+      return 1.0 / len(self._index)
+    return None
+
+  def _saved_value(self):
+    return self._aggregate()
+
+  def _restore_value(self, value):
+    scale = self._split_scale("assign")
+    if scale is not None:
+      value = tf.cast(value, self.dtype) * tf.cast(scale, self.dtype)
+    return super()._restore_value(value)
+
+
+def _to_tensor(value, dtype=None, name=None, as_ref=False):
+  return value._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)  # pylint: disable=protected-access
+
+
+# One registration covers every distributed variable: TensorFlow then reads the
+# component for the current context, so the read is visible to tf.GradientTape.
+tf.register_tensor_conversion_function(DistributedVariable, _to_tensor)

@@ -1,0 +1,495 @@
+"""MirroredStrategy (SPEC sections 2-6, 10) on 1, 2 and 4 logical CPUs, eager and tf.function.
+
+Every result is compared against numpy or a single-device computation.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from diststrat.values import Mirrored, MirroredVariable, PerDevice, TowerLocalVariable
+from conftest import CPUS
+
+TOWER_COUNTS = [1, 2, 4]
+MODES = ["eager", "function"]
+
+
+def run(mode, fn):
+  """Runs fn eagerly or as a tf.function, returning plain tensors."""
+  if mode == "eager":
+    return fn()
+  return tf.function(fn)()
+
+
+def strategy(n):
+  return ds.MirroredStrategy(CPUS[:n])
+
+
+def test_default_devices_are_all_local_cpus():
+  s = ds.MirroredStrategy()
+  assert s.worker_devices == tuple(CPUS) == s.parameter_devices
+  assert s.num_towers == 4 and not s.is_single_tower
+  assert "MirroredStrategy(devices=[" in repr(s)
+
+
+def test_bad_devices():
+  with pytest.raises(ValueError, match=r"Each device may appear once"):
+    ds.MirroredStrategy(["/cpu:0", "/device:CPU:0"])
+  with pytest.raises(ValueError, match="at least one device"):
+    ds.MirroredStrategy([])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_merge_call_example(mode):
+  s = strategy(4)
+
+  def fn(three):
+    ctx = ds.get_tower_context()
+    v = three + tf.cast(ctx.tower_id, tf.float32)
+    total = ctx.merge_call(lambda st, per_tower: st.reduce("sum", per_tower), v)
+    return total + v
+
+  with s.scope():
+    result = run(mode, lambda: s.unwrap(s.call_for_each_tower(fn, tf.constant(3.0))))
+  assert [float(x) for x in result] == [21.0, 22.0, 23.0, 24.0]
+
+
+@pytest.mark.parametrize("n", TOWER_COUNTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_towers_run_on_their_devices_in_order(n, mode):
+  s = strategy(n)
+  seen = []
+
+  def fn():
+    ctx = ds.get_tower_context()
+    seen.append((ctx.tower_id, ctx.num_towers, threading.current_thread().name))
+    x = tf.constant(1.0) * tf.cast(ctx.tower_id, tf.float32)
+    return x
+
+  with s.scope():
+    out = run(mode, lambda: s.unwrap(s.call_for_each_tower(fn)))
+  assert [t[0] for t in seen] == list(range(n))
+  assert all(t[1] == n for t in seen)
+  assert [float(x) for x in out] == list(range(n))
+  if mode == "eager":
+    with s.scope():
+      per_tower = s.unwrap(s.call_for_each_tower(fn))
+    assert [v.device for v in per_tower] == CPUS[:n]
+
+
+@pytest.mark.parametrize("n", TOWER_COUNTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_reduce_broadcast_gather_match_numpy(n, mode):
+  s = strategy(n)
+  data = np.random.default_rng(n).normal(size=(n, 4, 3)).astype(np.float32)
+
+  def step():
+    per_tower = s.call_for_each_tower(lambda i: tf.constant(data)[i], s.worker_device_index)
+    total = s.reduce("sum", per_tower)
+    mean = s.reduce(tf.VariableAggregation.MEAN, per_tower, destinations=CPUS[0])
+    sums = s.batch_reduce("sum", [(per_tower, None), (per_tower, CPUS[:1])])
+    gathered = s.gather(per_tower, axis=0)
+    broadcast = s.broadcast(tf.constant(7.0))
+    return (s.unwrap(total), s.unwrap(mean), [s.unwrap(x) for x in sums], gathered,
+            s.unwrap(broadcast))
+
+  with s.scope():
+    total, mean, sums, gathered, broadcast = run(mode, step)
+  assert len(total) == n and len(mean) == 1 and len(broadcast) == n
+  for t in total + sums[0] + sums[1]:
+    np.testing.assert_allclose(t, data.sum(axis=0), rtol=1e-5)
+  np.testing.assert_allclose(mean[0], data.mean(axis=0), rtol=1e-5)
+  np.testing.assert_allclose(gathered, data.reshape(n * 4, 3))
+  assert [float(b) for b in broadcast] == [7.0] * n
+
+
+def test_reduce_places_results_on_destinations():
+  s = strategy(4)
+  with s.scope():
+    v = tf.Variable(0.0)
+    per_tower = s.call_for_each_tower(lambda i: tf.cast(i, tf.float32), s.worker_device_index)
+    onto_var = s.reduce("sum", per_tower, destinations=v)
+    onto_two = s.reduce("mean", per_tower, destinations=[CPUS[1], CPUS[3]])
+  assert isinstance(onto_var, Mirrored) and onto_var.devices == tuple(CPUS)
+  assert [x.device for x in onto_var.values] == CPUS
+  assert onto_two.devices == (CPUS[1], CPUS[3])
+  assert [float(x) for x in onto_two.values] == [1.5, 1.5]
+
+
+@pytest.mark.parametrize("n", TOWER_COUNTS)
+def test_mirrored_variable_copies_and_reads(n):
+  s = strategy(n)
+  with s.scope():
+    v = tf.Variable(tf.random.normal([5]), name="w")
+  assert isinstance(v, MirroredVariable) and isinstance(v, tf.Variable)
+  assert v.devices == tuple(CPUS[:n])
+  assert [c.device for c in v.values] == CPUS[:n]
+  for c in v.values:  # One initial value, copied: random initializers agree.
+    np.testing.assert_array_equal(c.numpy(), v.primary.numpy())
+  assert v.name == "w:0" and v.shape == (5,) and v.dtype == tf.float32
+  np.testing.assert_array_equal(v.numpy(), v.primary.numpy())
+  np.testing.assert_allclose((v * 2.0 + 1.0).numpy(), v.primary.numpy() * 2 + 1, rtol=1e-6)
+  np.testing.assert_allclose(tf.reduce_sum(v), v.primary.numpy().sum(), rtol=1e-5)
+  with s.scope():
+    reads = s.call_for_each_tower(lambda: (v.value(), v.device))
+    updated = s.update(v, lambda c: (c.device, ds.get_update_device(), v.device))
+  with s.scope():
+    assert [str(d) for d in s.unwrap(reads[1])] == CPUS[:n]
+    for value in s.unwrap(reads[0]):
+      np.testing.assert_array_equal(value, v.primary.numpy())
+    # Inside update, the component, the update device and the variable's device agree.
+    columns = [s.unwrap(x) for x in updated]
+  for component_device, update_device, var_device in zip(*columns):
+    assert component_device == update_device == var_device
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("mode", MODES)
+def test_variables_created_in_towers_are_shared(n, mode):
+  s = strategy(n)
+  created = []
+
+  def fn():
+    if not created or len(created) < n:
+      v = tf.Variable(1.0, name="shared")
+      created.append(v)
+    return created[-1].read_value() * 2.0
+
+  with s.scope():
+    out = run(mode, lambda: s.unwrap(s.call_for_each_tower(fn)))
+  assert all(c is created[0] for c in created)
+  assert isinstance(created[0], MirroredVariable) and len(created[0].values) == n
+  assert [float(x) for x in out] == [2.0] * n
+
+
+def test_tower_variable_names_must_match():
+  s = strategy(2)
+
+  def fn():
+    return tf.Variable(1.0, name=f"v{ds.get_tower_context().tower_id}")
+
+  with s.scope():
+    with pytest.raises(ValueError, match=r"Tower 1's variable number 0 is named 'v1', but "
+                                         r"tower 0's is named 'v0'"):
+      s.call_for_each_tower(fn)
+
+  def more():
+    for _ in range(ds.get_tower_context().tower_id + 1):
+      tf.Variable(1.0)
+
+  with s.scope():
+    with pytest.raises(ValueError, match="Tower 1 created more variables than tower 0"):
+      s.call_for_each_tower(more)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_tape_gives_gradient_for_tower_copy(mode):
+  s = strategy(4)
+  with s.scope():
+    v = tf.Variable([1.0, 2.0])
+
+  def fn():
+    scale = tf.cast(ds.get_tower_context().tower_id + 1, tf.float32)
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(v * v) * scale
+    return tape.gradient(loss, v)
+
+  with s.scope():
+    grads = run(mode, lambda: s.unwrap(s.call_for_each_tower(fn)))
+  for i, g in enumerate(grads):
+    np.testing.assert_allclose(g, 2 * np.array([1.0, 2.0]) * (i + 1))
+
+
+@pytest.mark.parametrize("n", TOWER_COUNTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_assign_in_cross_tower_writes_all_copies(n, mode):
+  s = strategy(n)
+  with s.scope():
+    v = tf.Variable([1.0, 1.0])
+
+  def step():
+    v.assign([3.0, 4.0])
+    v.assign_add([1.0, 1.0])
+    v.assign_sub([0.5, 0.5])
+
+  with s.scope():
+    run(mode, step)
+  for c in v.values:
+    np.testing.assert_allclose(c.numpy(), [3.5, 4.5])
+
+
+@pytest.mark.parametrize("aggregation,expected", [
+    (tf.VariableAggregation.SUM, 10.0 + (0 + 1 + 2 + 3)),
+    (tf.VariableAggregation.MEAN, 10.0 + 1.5),
+    (tf.VariableAggregation.ONLY_FIRST_REPLICA, 10.0 + 0.0),
+])
+@pytest.mark.parametrize("mode", MODES)
+def test_assign_in_tower_aggregates(aggregation, expected, mode):
+  s = strategy(4)
+  with s.scope():
+    v = tf.Variable(10.0, aggregation=aggregation)
+
+  def fn():
+    v.assign_add(tf.cast(ds.get_tower_context().tower_id, tf.float32))
+
+  with s.scope():
+    run(mode, lambda: s.call_for_each_tower(fn))
+  assert [float(c.numpy()) for c in v.values] == [expected] * 4
+
+
+def test_assign_in_tower_without_aggregation_raises():
+  s = strategy(2)
+  with s.scope():
+    v = tf.Variable(1.0, name="plain")
+    with pytest.raises(ValueError, match=r"Cannot assign\(\) the mirrored variable 'plain:0' "
+                                         r"in a tower context with aggregation NONE"):
+      s.call_for_each_tower(lambda: v.assign(2.0))
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "mean"])
+@pytest.mark.parametrize("mode", MODES)
+def test_tower_local_variable(aggregation, mode):
+  s = strategy(4)
+  agg = {"sum": tf.VariableAggregation.SUM, "mean": tf.VariableAggregation.MEAN}[aggregation]
+  with s.scope():
+    v = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=agg, trainable=False)
+  assert isinstance(v, TowerLocalVariable)
+
+  def fn():
+    v.assign_add(tf.cast(ds.get_tower_context().tower_id + 1, tf.float32))
+    return v.read_value()
+
+  with s.scope():
+    own = run(mode, lambda: s.unwrap(s.call_for_each_tower(fn)))
+    read = s.read_var(v)
+  assert [float(x) for x in own] == [1.0, 2.0, 3.0, 4.0]
+  expected = 10.0 if aggregation == "sum" else 2.5
+  assert float(read) == expected
+  assert float(tf.convert_to_tensor(v)) == expected
+  with s.scope():
+    v.assign(8.0)  # Cross-tower: the aggregate becomes 8.
+    assert float(s.read_var(v)) == 8.0
+
+
+def test_tower_local_needs_sum_or_mean():
+  s = strategy(2)
+  with s.scope():
+    with pytest.raises(ValueError, match="synchronization=ON_READ.*needs aggregation SUM or MEAN"):
+      tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ, trainable=False)
+
+
+@pytest.mark.parametrize("n", TOWER_COUNTS)
+def test_update_and_update_non_slot(n):
+  s = strategy(n)
+  with s.scope():
+    v = tf.Variable(1.0, name="v")
+    non_slot = s.non_slot_devices([v])
+    assert non_slot == tuple(CPUS[:n])
+    with s.colocate_vars_with(v):
+      slot = tf.Variable(0.0, name="slot")
+    assert isinstance(slot, MirroredVariable) and slot.devices == v.devices
+    per_tower = s.call_for_each_tower(lambda i: tf.cast(i, tf.float32), s.worker_device_index)
+    total = s.reduce("sum", per_tower, destinations=v)
+    result = s.update(v, lambda c, t: c.assign_add(t).read_value(), total)
+    counter = s.update_non_slot(non_slot, lambda: ds.get_update_device())
+  expected = 1.0 + sum(range(n))
+  assert [float(c.numpy()) for c in v.values] == [expected] * n
+  assert (result is not None) and len(s.unwrap(result)) == n
+  assert ds.values.select_device(CPUS[0], counter) == CPUS[0]
+
+
+def test_unwrap_group_read_var():
+  s = strategy(2)
+  with s.scope():
+    v = tf.Variable(3.0)
+    assert s.unwrap(v) == list(v.values)
+    assert s.unwrap(tf.constant(1.0))[0].numpy() == 1.0
+    assert float(s.read_var(v)) == 3.0
+    assert s.group(v) is None
+
+    @tf.function
+    def grouped():
+      op = s.group(s.update(v, lambda c: c.assign_add(1.0)))
+      assert isinstance(op, tf.Operation)
+
+    grouped()
+  assert [float(c.numpy()) for c in v.values] == [4.0, 4.0]
+
+
+def test_tf_module_and_keras_layer_variables():
+  keras = pytest.importorskip("keras")
+  s = strategy(2)
+
+  class Linear(tf.Module):
+
+    def __init__(self):
+      super().__init__()
+      self.w = tf.Variable(tf.ones([3, 2]), name="w")
+
+  with s.scope():
+    m = Linear()
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+  assert len(m.trainable_variables) == 1 and m.trainable_variables[0] is m.w
+  assert isinstance(m.w, MirroredVariable)
+  assert isinstance(layer.kernel.value, MirroredVariable) or isinstance(
+      getattr(layer.kernel, "_value", None), MirroredVariable)
+  x = np.ones([1, 3], np.float32)
+  with s.scope():
+    out = s.call_for_each_tower(lambda: layer(tf.constant(x)))
+  expected = x @ layer.kernel.numpy() + layer.bias.numpy()
+  for o in out.values:
+    np.testing.assert_allclose(o, expected, rtol=1e-6)
+
+
+# --- errors and faults (SPEC 10) ---
+
+
+def test_exception_in_one_tower_stops_the_others(no_thread_leak):
+  s = strategy(4)
+  ran = []
+
+  def fn():
+    tid = ds.get_tower_context().tower_id
+    ran.append(tid)
+    if tid == 2:
+      raise KeyError("boom")
+    ds.get_tower_context().merge_call(lambda st: None)
+    ran.append(("after merge", tid))
+
+  with s.scope():
+    with pytest.raises(KeyError, match="boom") as info:
+      s.call_for_each_tower(fn)
+  text = "".join(getattr(info.value, "__notes__", [])) + str(info.value)
+  assert "tower 2" in text
+  assert ran == [0, 1, 2]  # Tower 3 never ran; towers 0 and 1 never passed merge_call.
+
+
+def test_exception_in_merge_fn_reaches_caller(no_thread_leak):
+  s = strategy(2)
+
+  def fn():
+    ds.get_tower_context().merge_call(lambda st: 1 / 0)
+
+  with s.scope():
+    with pytest.raises(ZeroDivisionError) as info:
+      s.call_for_each_tower(fn)
+  assert "merge_fn" in "".join(getattr(info.value, "__notes__", [])) + str(info.value)
+
+
+def test_exception_in_nested_merge_fn(no_thread_leak):
+  s = strategy(2)
+
+  def inner():
+    if ds.get_tower_context().tower_id == 1:
+      raise TypeError("deep")
+
+  def fn():
+    ds.get_tower_context().merge_call(lambda st: st.call_for_each_tower(inner))
+
+  with s.scope():
+    with pytest.raises(TypeError, match="deep") as info:
+      s.call_for_each_tower(fn)
+  assert "tower 1" in "".join(getattr(info.value, "__notes__", [])) + str(info.value)
+
+
+def test_divergent_merge_call(no_thread_leak):
+  s = strategy(4)
+
+  def fn():
+    if ds.get_tower_context().tower_id in (1, 3):
+      return None
+    return ds.get_tower_context().merge_call(lambda st: 1)
+
+  with s.scope():
+    with pytest.raises(RuntimeError, match=r"Towers \[0, 2\] called merge_call\(\) but "
+                                           r"towers \[1, 3\] returned without calling it"):
+      s.call_for_each_tower(fn)
+
+
+def test_differing_structures_raise():
+  s = strategy(2)
+
+  def fn():
+    tid = ds.get_tower_context().tower_id
+    return (1, 2) if tid == 0 else [1, 2]
+
+  with s.scope():
+    with pytest.raises(ValueError, match=r"tower 0 gave \(\*, \*\) and tower 1 gave \[\*, \*\]"):
+      s.call_for_each_tower(fn)
+
+  def merge_differs():
+    tid = ds.get_tower_context().tower_id
+    ds.get_tower_context().merge_call(lambda st, x: x, {"a": 1} if tid else {"b": 1})
+
+  with s.scope():
+    with pytest.raises(ValueError, match="tower 1 gave"):
+      s.call_for_each_tower(merge_differs)
+
+
+def test_tower_timeout_is_bounded():
+  s = ds.MirroredStrategy(CPUS[:2], tower_timeout=0.5)
+  release = threading.Event()
+
+  def fn():
+    if ds.get_tower_context().tower_id == 0:
+      release.wait(10)
+
+  with s.scope():
+    with pytest.raises(RuntimeError, match=r"Tower 0 .* neither reached merge_call\(\) nor "
+                                           r"returned within 0.5 s"):
+      s.call_for_each_tower(fn)
+  release.set()
+
+
+def test_thousand_calls_leave_no_threads(no_thread_leak):
+  s = strategy(4)
+  before = threading.active_count()
+
+  def fn():
+    return ds.get_tower_context().merge_call(lambda st, x: x, 1)
+
+  with s.scope():
+    for _ in range(1000):
+      s.call_for_each_tower(fn)
+  assert threading.active_count() == before
+
+
+def test_tower_threads_inherit_name_scope_and_creator_scopes():
+  s = strategy(2)
+  created = []
+
+  def creator(next_creator, **kwargs):
+    created.append(kwargs.get("name"))
+    return next_creator(**kwargs)
+
+  def fn():
+    return tf.get_current_name_scope(), tf.Variable(1.0, name="inner").name
+
+  with s.scope():
+    with tf.variable_creator_scope(creator), tf.name_scope("outer"):
+      scopes = s.call_for_each_tower(fn)
+  assert s.unwrap(scopes[0]) == ["outer", "outer"]
+  assert s.unwrap(scopes[1]) == ["outer/inner:0", "outer/inner:0"]
+  assert created.count("inner") >= 1
+
+
+def test_towers_build_one_tf_function_graph():
+  s = strategy(4)
+
+  @tf.function
+  def step(x):
+    def fn(x):
+      return x * tf.cast(ds.get_tower_context().tower_id, tf.float32)
+    return s.unwrap(s.reduce("sum", s.call_for_each_tower(fn, x)))
+
+  with s.scope():
+    out = step(tf.constant(2.0))
+    out2 = step(tf.constant(3.0))
+  assert [float(o) for o in out] == [12.0] * 4
+  assert [float(o) for o in out2] == [18.0] * 4
+  assert step.experimental_get_tracing_count() == 1
