@@ -69,6 +69,14 @@ scope for its duration.
 """
 
 
+def _creators_in_effect():
+  from diststrat import _tf_internal  # pylint: disable=g-import-not-at-top
+  result = []
+  for entry in _tf_internal.variable_creator_stack():
+    result.append(entry[1] if isinstance(entry, tuple) else entry)
+  return result
+
+
 class _StrategyScope:
   """What `scope()` returns: enters the cross-tower context of a strategy."""
 
@@ -358,6 +366,23 @@ class DistributionStrategy:
   def _tower_scope(self, tower_context):
     """Context manager for subclasses: run the body as the tower of `tower_context`."""
     return _context.enter_mode(self, tower_context)
+
+  def _variable_creation_scope(self):
+    """Context manager in which tf.Variable() follows this strategy's policy.
+
+    `scope()` installs the strategy's variable creator on the graph that is current when
+    it is entered; code that creates variables under `tf.init_scope()` (optimizer
+    state) may be on another graph, so this installs the creator there if missing.
+    """
+    managers = self._scope_context_managers()
+    if not managers or any(getattr(c, "__self__", None) is self and
+                           getattr(c, "__name__", "") == "_variable_creator"
+                           for c in _creators_in_effect()):
+      return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for manager in managers:
+      stack.enter_context(manager)
+    return stack
 
   def _variable_creator(self, next_creator, **kwargs):
     return self._create_variable(next_creator, kwargs, self._colocation_target())

@@ -39,15 +39,15 @@ def create_copies(next_creator, kwargs, devices):
   return copies
 
 
-def make_distributed_variable(copies, kwargs):
+def make_distributed_variable(copies, kwargs, strategy):
   """Wraps per-device copies as a MirroredVariable, or a TowerLocalVariable for ON_READ."""
   synchronization = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
   aggregation = kwargs.get("aggregation", tf.VariableAggregation.NONE)
   if aggregation is None:
     aggregation = tf.VariableAggregation.NONE
   if synchronization == tf.VariableSynchronization.ON_READ:
-    return _variables.TowerLocalVariable(copies, aggregation)
-  return _variables.MirroredVariable(copies, aggregation)
+    return _variables.TowerLocalVariable(copies, aggregation, strategy)
+  return _variables.MirroredVariable(copies, aggregation, strategy)
 
 
 def check_variable_kwargs(kwargs):
@@ -122,7 +122,8 @@ class MirroredStrategy(DistributionStrategy):
       devices = self._devices
     else:
       devices = _wrapped.devices_of(colocate_with)
-    return make_distributed_variable(create_copies(next_creator, kwargs, devices), kwargs)
+    return make_distributed_variable(create_copies(next_creator, kwargs, devices), kwargs,
+                                     self)
 
   def _shared_tower_variable(self, tower, next_creator, kwargs, colocate_with):
     """Tower 0 creates each variable; tower i's n-th creation returns tower 0's n-th."""

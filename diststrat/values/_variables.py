@@ -32,9 +32,10 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   # then use `.handle`, the handle of the component for the current context.
   _should_act_as_resource_variable = True
 
-  def __init__(self, index, aggregation=tf.VariableAggregation.NONE):
+  def __init__(self, index, aggregation=tf.VariableAggregation.NONE, strategy=None):
     _wrapped.DistributedValues.__init__(self, index)
     self._aggregation = aggregation
+    self._strategy = strategy
     for component in self._index.values():
       component._diststrat_container = self  # pylint: disable=protected-access
 
@@ -50,6 +51,11 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     if device is not None and device in self._index:
       return self._index[device]
     return self.primary
+
+  @property
+  def distribution_strategy(self):
+    """The strategy that created this variable (None if unknown)."""
+    return self._strategy
 
   # --- tf.Variable's properties, from the component ---
 
