@@ -9,6 +9,8 @@ Example:
 from diststrat import _tf  # Checks TensorFlow first, with a message that says how to fix it.
 
 from diststrat import errors as errors
+from diststrat import cross_tower_ops as cross_tower_ops
+from diststrat import optimizers as optimizers
 from diststrat import values as values
 from diststrat import strategies as strategies
 from diststrat._context import TowerContext as TowerContext
@@ -34,6 +36,8 @@ __all__ = [
     "has_distribution_strategy",
     "get_update_device",
     "errors",
+    "cross_tower_ops",
+    "optimizers",
     "values",
     "strategies",
 ]

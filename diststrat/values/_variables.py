@@ -32,6 +32,10 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   # then use `.handle`, the handle of the component for the current context.
   _should_act_as_resource_variable = True
 
+  def is_tensor_like(self):
+    """Makes `tf.is_tensor()` true, as for a tf.Variable (tf.GradientTape.watch checks it)."""
+    return True
+
   def __init__(self, index, aggregation=tf.VariableAggregation.NONE, strategy=None):
     _wrapped.DistributedValues.__init__(self, index)
     self._aggregation = aggregation

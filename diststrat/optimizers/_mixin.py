@@ -1,0 +1,66 @@
+"""`DistributedOptimizerMixin`: the cross-tower half of training with an optimizer."""
+
+from diststrat._tf import tf
+from diststrat import _context
+from diststrat import errors
+from diststrat.optimizers import _optimizer
+
+
+class DistributedOptimizerMixin:
+  """Makes an `Optimizer` subclass distribution-aware. Put it first in the bases.
+
+  Model code in each tower calls `compute_gradients` and `apply_gradients` as on one
+  device; `apply_gradients` then `merge_call`s `_distributed_apply`, which sums the
+  towers' gradients onto each variable, updates every copy, runs `_finish` on the
+  non-slot devices, and increments `global_step` once.
+
+  Example:
+    >>> import diststrat as ds, tensorflow as tf
+    >>> s = ds.MirroredStrategy(["/cpu:0"])
+    >>> with s.scope():
+    ...   w = tf.Variable(1.0)
+    ...   opt = ds.optimizers.GradientDescent(0.5)
+    ...   _ = s.call_for_each_tower(lambda: opt.minimize(lambda: w * 2.0, var_list=[w]))
+    >>> float(w.numpy())
+    0.0
+  """
+
+  def _loss_scale(self):
+    if self._loss_reduction != "mean":
+      return 1.0
+    tower = _context.get_tower_context()
+    num_towers = tower.num_towers if tower is not None else \
+        _context.get_distribution_strategy().num_towers
+    return 1.0 / num_towers
+
+  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    """From a tower: merges the towers' gradients and applies them (see the class doc)."""
+    grads_and_vars = list(grads_and_vars)
+    if not _context.has_distribution_strategy():
+      return super().apply_gradients(grads_and_vars, global_step=global_step, name=name)
+    tower = _context.get_tower_context()
+    if tower is None:
+      raise errors.ContextError(
+          "apply_gradients() was called in the cross-tower context of "
+          f"{_context.get_distribution_strategy()!r}; it must be called from a tower "
+          "(inside call_for_each_tower). In cross-tower context, call "
+          "optimizer._distributed_apply(strategy, grads_and_vars) with per-tower gradients.")
+    return tower.merge_call(self._distributed_apply, grads_and_vars, global_step, name)
+
+  def _distributed_apply(self, distribution, grads_and_vars, global_step=None, name=None):
+    """Sums per-tower gradients onto each variable and updates every copy of it."""
+    pairs = self._check_pairs(grads_and_vars)
+    pairs = [(g, _optimizer._container(v)) for g, v in pairs]  # pylint: disable=protected-access
+    var_list = [v for _, v in pairs]
+    reduced = distribution.batch_reduce("sum", [(g, v) for g, v in pairs])
+    self._create_state(var_list, distribution)
+    self._prepare()
+    update_ops = [distribution.update(v, self._apply_one, g) for g, (_, v) in zip(reduced, pairs)]
+    finish = distribution.update_non_slot(distribution.non_slot_devices(var_list),
+                                          self._finish, update_ops, name or self.name)
+    if global_step is not None:
+      deps = [c for leaf in tf.nest.flatten(finish) for c in distribution.unwrap(leaf)]
+      with _optimizer._control_dependencies(deps):  # pylint: disable=protected-access
+        distribution.update(global_step, lambda step: step.assign_add(
+            tf.ones([], step.dtype), read_value=False))
+    return distribution.group(finish)

@@ -1,0 +1,133 @@
+"""The optimizers diststrat ships: plain SGD, momentum (optionally Nesterov), and Adam."""
+
+from diststrat._tf import tf
+from diststrat.optimizers._mixin import DistributedOptimizerMixin
+from diststrat.optimizers._optimizer import Optimizer
+
+
+def _hyper(value, dtype):
+  value = value() if callable(value) else value
+  return tf.cast(value, dtype)
+
+
+class GradientDescent(DistributedOptimizerMixin, Optimizer):
+  """`var -= learning_rate * grad`.
+
+  Example:
+    >>> import diststrat as ds, tensorflow as tf
+    >>> v = tf.Variable(1.0)
+    >>> _ = ds.optimizers.GradientDescent(0.1).apply_gradients([(tf.constant(2.0), v)])
+    >>> round(float(v.numpy()), 6)
+    0.8
+  """
+
+  def __init__(self, learning_rate, loss_reduction="mean", name="GradientDescent"):
+    super().__init__(name, loss_reduction=loss_reduction)
+    self._learning_rate = learning_rate
+
+  def _apply_dense(self, grad, var):
+    return var.assign_sub(_hyper(self._learning_rate, var.dtype) * grad, read_value=False)
+
+  def _apply_sparse(self, grad, var):
+    lr = _hyper(self._learning_rate, var.dtype)
+    return var.scatter_sub(tf.IndexedSlices(lr * grad.values, grad.indices, grad.dense_shape))
+
+
+class Momentum(DistributedOptimizerMixin, Optimizer):
+  """`accum = momentum * accum + grad; var -= learning_rate * accum`.
+
+  With `use_nesterov=True`: `var -= learning_rate * (grad + momentum * accum)`. The
+  accumulator is the slot `"momentum"`.
+  """
+
+  def __init__(self, learning_rate, momentum, use_nesterov=False, loss_reduction="mean",
+               name="Momentum"):
+    super().__init__(name, loss_reduction=loss_reduction)
+    self._learning_rate = learning_rate
+    self._momentum = momentum
+    self._use_nesterov = use_nesterov
+
+  def _create_slots(self, var_list):
+    for var in var_list:
+      self._zeros_slot(var, "momentum")
+
+  def _apply_dense(self, grad, var):
+    lr = _hyper(self._learning_rate, var.dtype)
+    mu = _hyper(self._momentum, var.dtype)
+    accum = self.get_slot(var, "momentum")
+    new_accum = mu * accum + grad
+    accum.assign(new_accum, read_value=False)
+    step = grad + mu * new_accum if self._use_nesterov else new_accum
+    return var.assign_sub(lr * step, read_value=False)
+
+  def _apply_sparse(self, grad, var):
+    grad = self._deduplicate(grad)
+    lr = _hyper(self._learning_rate, var.dtype)
+    mu = _hyper(self._momentum, var.dtype)
+    accum = self.get_slot(var, "momentum")
+    new_rows = mu * tf.gather(accum, grad.indices) + grad.values
+    accum.scatter_update(tf.IndexedSlices(new_rows, grad.indices))
+    step = grad.values + mu * new_rows if self._use_nesterov else new_rows
+    return var.scatter_sub(tf.IndexedSlices(lr * step, grad.indices))
+
+
+class Adam(DistributedOptimizerMixin, Optimizer):
+  """Adam (Kingma & Ba, 2015), with the bias correction folded into the step size.
+
+  `m = beta1 * m + (1 - beta1) * grad`, `v = beta2 * v + (1 - beta2) * grad**2`,
+  `var -= lr * sqrt(1 - beta2**t) / (1 - beta1**t) * m / (sqrt(v) + epsilon)`.
+  Slots `"m"` and `"v"`; `beta1**t` and `beta2**t` are non-slot variables
+  (`beta1_power`, `beta2_power`). A sparse gradient decays `m` and `v` of every row and
+  adds to the rows it names, as the dense update would with zero rows.
+  """
+
+  def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
+               loss_reduction="mean", name="Adam"):
+    super().__init__(name, loss_reduction=loss_reduction)
+    self._learning_rate = learning_rate
+    self._beta1 = beta1
+    self._beta2 = beta2
+    self._epsilon = epsilon
+
+  def _create_slots(self, var_list):
+    first = min(var_list, key=lambda v: v.name)
+    self._non_slot_variable("beta1_power", tf.constant(self._beta1, first.dtype), var_list)
+    self._non_slot_variable("beta2_power", tf.constant(self._beta2, first.dtype), var_list)
+    for var in var_list:
+      self._zeros_slot(var, "m")
+      self._zeros_slot(var, "v")
+
+  def _step_size(self, dtype):
+    beta1_power = tf.cast(self._get_non_slot_variable("beta1_power"), dtype)
+    beta2_power = tf.cast(self._get_non_slot_variable("beta2_power"), dtype)
+    return _hyper(self._learning_rate, dtype) * tf.sqrt(1 - beta2_power) / (1 - beta1_power)
+
+  def _apply_dense(self, grad, var):
+    b1, b2 = _hyper(self._beta1, var.dtype), _hyper(self._beta2, var.dtype)
+    m, v = self.get_slot(var, "m"), self.get_slot(var, "v")
+    new_m = b1 * m + (1 - b1) * grad
+    new_v = b2 * v + (1 - b2) * tf.square(grad)
+    m.assign(new_m, read_value=False)
+    v.assign(new_v, read_value=False)
+    step = self._step_size(var.dtype) * new_m / (tf.sqrt(new_v) + _hyper(self._epsilon, var.dtype))
+    return var.assign_sub(step, read_value=False)
+
+  def _apply_sparse(self, grad, var):
+    grad = self._deduplicate(grad)
+    b1, b2 = _hyper(self._beta1, var.dtype), _hyper(self._beta2, var.dtype)
+    m, v = self.get_slot(var, "m"), self.get_slot(var, "v")
+    m.assign(b1 * m, read_value=False)
+    m.scatter_add(tf.IndexedSlices((1 - b1) * grad.values, grad.indices))
+    v.assign(b2 * v, read_value=False)
+    v.scatter_add(tf.IndexedSlices((1 - b2) * tf.square(grad.values), grad.indices))
+    step = self._step_size(var.dtype) * m / (tf.sqrt(v) + _hyper(self._epsilon, var.dtype))
+    return var.assign_sub(step, read_value=False)
+
+  def _finish(self, update_ops, name):
+    del update_ops, name
+    beta1_power = self._get_non_slot_variable("beta1_power")
+    beta2_power = self._get_non_slot_variable("beta2_power")
+    return [beta1_power.assign(beta1_power * tf.cast(self._beta1, beta1_power.dtype),
+                               read_value=False),
+            beta2_power.assign(beta2_power * tf.cast(self._beta2, beta2_power.dtype),
+                               read_value=False)]

@@ -1,0 +1,364 @@
+"""Optimizers (SPEC section 7): textbook rules, N towers == one device, state, checkpoints."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from diststrat import optimizers
+from diststrat.values import MirroredVariable
+from conftest import CPUS
+
+VOCAB, DIM, OUT, BATCH = 12, 4, 2, 16
+
+OPTIMIZERS = {
+    "sgd": lambda: optimizers.GradientDescent(0.1),
+    "momentum": lambda: optimizers.Momentum(0.05, 0.9),
+    "nesterov": lambda: optimizers.Momentum(0.05, 0.9, use_nesterov=True),
+    "adam": lambda: optimizers.Adam(0.01),
+}
+
+
+# --- numpy references of the textbook rules ---
+
+
+def np_sgd(var, grads, lr=0.1):
+  for g in grads:
+    var = var - lr * g
+  return var
+
+
+def np_momentum(var, grads, lr=0.05, mu=0.9, nesterov=False):
+  accum = np.zeros_like(var)
+  for g in grads:
+    accum = mu * accum + g
+    var = var - lr * (g + mu * accum if nesterov else accum)
+  return var
+
+
+def np_adam(var, grads, lr=0.01, b1=0.9, b2=0.999, eps=1e-8):
+  m, v = np.zeros_like(var), np.zeros_like(var)
+  for t, g in enumerate(grads, start=1):
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    var = var - lr * np.sqrt(1 - b2**t) / (1 - b1**t) * m / (np.sqrt(v) + eps)
+  return var
+
+
+NUMPY = {"sgd": np_sgd, "momentum": np_momentum,
+         "nesterov": lambda v, g: np_momentum(v, g, nesterov=True), "adam": np_adam}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_dense_update_matches_numpy(name):
+  rng = np.random.default_rng(0)
+  init = rng.normal(size=(3, 2)).astype(np.float32)
+  grads = [rng.normal(size=(3, 2)).astype(np.float32) for _ in range(5)]
+  var = tf.Variable(init)
+  opt = OPTIMIZERS[name]()
+  for g in grads:
+    opt.apply_gradients([(tf.constant(g), var)])
+  np.testing.assert_allclose(var.numpy(), NUMPY[name](init, grads), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_sparse_update_matches_numpy(name):
+  rng = np.random.default_rng(1)
+  init = rng.normal(size=(6, 2)).astype(np.float32)
+  var = tf.Variable(init)
+  opt = OPTIMIZERS[name]()
+  dense_grads = []
+  sparse_reference = init.copy()
+  for _ in range(4):
+    indices = np.array([0, 3, 3, 5])  # A repeated index: its rows add up.
+    values = rng.normal(size=(4, 2)).astype(np.float32)
+    opt.apply_gradients([(tf.IndexedSlices(tf.constant(values), tf.constant(indices),
+                                           tf.constant([6, 2])), var)])
+    dense = np.zeros_like(init)
+    np.add.at(dense, indices, values)
+    dense_grads.append(dense)
+  if name in ("sgd", "adam"):
+    # SGD and this Adam treat a sparse gradient as the dense one with zero rows.
+    expected = NUMPY[name](sparse_reference, dense_grads)
+  else:
+    # Momentum touches only the rows a gradient names.
+    expected = init.copy()
+    rows = [0, 3, 5]
+    expected[rows] = NUMPY[name](init[rows], [g[rows] for g in dense_grads])
+  np.testing.assert_allclose(var.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+# --- N towers on a global batch == one device on the whole batch ---
+
+
+def _data(steps):
+  rng = np.random.default_rng(7)
+  ids = rng.integers(0, VOCAB, size=(steps, BATCH)).astype(np.int32)
+  y = rng.normal(size=(steps, BATCH, OUT)).astype(np.float32)
+  return ids, y
+
+
+def _make_vars():
+  rng = np.random.default_rng(3)
+  emb = tf.Variable(rng.normal(size=(VOCAB, DIM)).astype(np.float32), name="emb")
+  w = tf.Variable(rng.normal(size=(DIM, OUT)).astype(np.float32) * 0.5, name="w")
+  return emb, w
+
+
+def _loss_fn(emb, w, ids, y, sparse):
+  def loss():
+    if sparse:
+      h = tf.gather(emb, ids)  # Its gradient is an IndexedSlices.
+    else:
+      h = tf.one_hot(ids, VOCAB) @ emb
+    return tf.reduce_mean(tf.square(h @ w - y))
+  return loss
+
+
+def _reference(name, sparse, ids, y):
+  emb, w = _make_vars()
+  opt = OPTIMIZERS[name]()
+  for i in range(len(ids)):
+    opt.minimize(_loss_fn(emb, w, ids[i], y[i], sparse), var_list=[emb, w])
+  return emb.numpy(), w.numpy()
+
+
+def _distributed(name, sparse, n, mode, ids, y):
+  s = ds.MirroredStrategy(CPUS[:n])
+  with s.scope():
+    emb, w = _make_vars()
+    opt = OPTIMIZERS[name]()
+    step_var = tf.Variable(0, dtype=tf.int64, name="global_step")
+
+  def tower_fn(ids_part, y_part):
+    return opt.minimize(_loss_fn(emb, w, ids_part, y_part, sparse), var_list=[emb, w],
+                        global_step=step_var)
+
+  def step(ids_batch, y_batch):
+    parts = tf.split(ids_batch, n), tf.split(y_batch, n)
+    per_tower = [ds.values.PerDevice(dict(zip(s.worker_devices, p))) for p in parts]
+    s.call_for_each_tower(tower_fn, *per_tower)
+
+  if mode == "function":
+    step = tf.function(step)
+  with s.scope():
+    for i in range(len(ids)):
+      step(tf.constant(ids[i]), tf.constant(y[i]))
+  return s, emb, w, opt, step_var
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_towers_match_one_device(name, sparse, n, mode):
+  steps = 10
+  ids, y = _data(steps)
+  expected_emb, expected_w = _reference(name, sparse, ids, y)
+  s, emb, w, opt, step_var = _distributed(name, sparse, n, mode, ids, y)
+  assert isinstance(emb, MirroredVariable) and len(emb.values) == n
+  for copy in emb.values:
+    np.testing.assert_allclose(copy.numpy(), expected_emb, rtol=2e-5, atol=2e-6)
+  for copy in w.values:
+    np.testing.assert_allclose(copy.numpy(), expected_w, rtol=2e-5, atol=2e-6)
+  assert [int(c.numpy()) for c in step_var.values] == [steps] * n  # Once per apply.
+  for slot_name in opt.get_slot_names():
+    slot = opt.get_slot(emb, slot_name)
+    assert isinstance(slot, MirroredVariable) and slot.devices == emb.devices
+
+
+def test_adam_state_placement():
+  ids, y = _data(1)
+  s, emb, w, opt, _ = _distributed("adam", False, 4, "eager", ids, y)
+  assert opt.get_slot_names() == ["m", "v"]
+  for var in (emb, w):
+    for slot_name in ("m", "v"):
+      slot = opt.get_slot(var, slot_name)
+      assert isinstance(slot, MirroredVariable)
+      assert [c.device for c in slot.values] == [c.device for c in var.values]
+  power = opt.beta1_power
+  assert isinstance(power, MirroredVariable) and power.devices == s.non_slot_devices([emb, w])
+  np.testing.assert_allclose(power.values[3].numpy(), 0.9**2, rtol=1e-6)
+  assert len(opt.variables()) == 6
+  # Inside update(), get_slot gives the copy on the update device.
+  with s.scope():
+    devices = s.update(emb, lambda c: opt.get_slot(c, "m").device)
+  assert s.unwrap(devices) == list(emb.devices)
+
+
+def test_compute_gradients_scales_mean_loss_and_drops_none():
+  s = ds.MirroredStrategy(CPUS[:4])
+  with s.scope():
+    a = tf.Variable(1.0)
+    b = tf.Variable(1.0)
+    opt = optimizers.GradientDescent(1.0)
+    sum_opt = optimizers.GradientDescent(1.0, loss_reduction="sum")
+    grads = s.call_for_each_tower(lambda: opt.compute_gradients(lambda: 4.0 * a, [a, b]))
+    sums = s.call_for_each_tower(lambda: sum_opt.compute_gradients(lambda: 4.0 * a, [a, b]))
+  assert len(grads) == 1 and grads[0][1] is a  # b got no gradient.
+  assert [float(g) for g in s.unwrap(grads[0][0])] == [1.0] * 4
+  assert [float(g) for g in s.unwrap(sums[0][0])] == [4.0] * 4
+
+
+def test_compute_gradients_with_user_tape():
+  v = tf.Variable(3.0)
+  opt = optimizers.GradientDescent(1.0)
+  with tf.GradientTape() as tape:
+    loss = v * v
+  [(g, var)] = opt.compute_gradients(loss, var_list=[v], tape=tape)
+  assert float(g) == 6.0 and var is v
+  with pytest.raises(ValueError, match="got a loss tensor but no tape"):
+    opt.compute_gradients(loss, var_list=[v])
+
+
+def test_apply_gradients_in_cross_tower_context_raises():
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    v = tf.Variable(1.0)
+    opt = optimizers.GradientDescent(0.1)
+    with pytest.raises(RuntimeError, match=r"apply_gradients\(\) was called in the "
+                                           r"cross-tower context.*_distributed_apply"):
+      opt.apply_gradients([(tf.constant(1.0), v)])
+
+
+def test_apply_gradients_errors():
+  v = tf.Variable(1.0)
+  opt = optimizers.GradientDescent(0.1)
+  with pytest.raises(ValueError, match="got no gradients: every gradient is None"):
+    opt.apply_gradients([(None, v)])
+  with pytest.raises(ValueError, match=r"takes \(gradient, variable\) pairs"):
+    opt.apply_gradients([tf.constant(1.0)])
+  with pytest.raises(ValueError, match="loss_reduction must be 'mean' or 'sum'"):
+    optimizers.GradientDescent(0.1, loss_reduction="avg")
+
+
+def test_global_step_once_per_apply_without_strategy():
+  v = tf.Variable(1.0)
+  step = tf.Variable(0, dtype=tf.int64)
+  opt = optimizers.Adam()
+  for _ in range(3):
+    opt.apply_gradients([(tf.constant(1.0), v)], global_step=step)
+  assert int(step.numpy()) == 3
+
+
+class SignSGD(optimizers.DistributedOptimizerMixin, optimizers.Optimizer):
+  """The docs' custom optimizer: `var -= lr * sign(grad)`, with a step counter slot."""
+
+  def __init__(self, learning_rate):
+    super().__init__("SignSGD")
+    self._lr = learning_rate
+
+  def _create_slots(self, var_list):
+    for var in var_list:
+      self._zeros_slot(var, "count")
+
+  def _apply_dense(self, grad, var):
+    self.get_slot(var, "count").assign_add(tf.ones_like(var), read_value=False)
+    return var.assign_sub(self._lr * tf.sign(grad), read_value=False)
+
+  def _apply_sparse(self, grad, var):
+    grad = self._deduplicate(grad)
+    return var.scatter_sub(tf.IndexedSlices(self._lr * tf.sign(grad.values), grad.indices))
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_custom_optimizer_from_hooks(n):
+  s = ds.MirroredStrategy(CPUS[:n])
+  target = np.array([1.0, -2.0, 3.0], np.float32)
+  with s.scope():
+    v = tf.Variable(np.zeros(3, np.float32))
+    opt = SignSGD(0.25)
+
+  def tower_fn():
+    return opt.minimize(lambda: tf.reduce_sum(tf.square(v - target)), var_list=[v])
+
+  with s.scope():
+    for _ in range(6):
+      s.call_for_each_tower(tower_fn)
+  expected = np.zeros(3, np.float32)
+  for _ in range(6):
+    expected = expected - 0.25 * np.sign(2 * (expected - target))
+  for copy in v.values:
+    np.testing.assert_allclose(copy.numpy(), expected)
+  assert float(opt.get_slot(v, "count").values[0].numpy()[0]) == 6.0
+
+
+def test_keras_model_trains_on_four_towers_like_one_device():
+  keras = pytest.importorskip("keras")
+  rng = np.random.default_rng(11)
+  x = rng.normal(size=(4, BATCH, 6)).astype(np.float32)
+  y = rng.normal(size=(4, BATCH, 2)).astype(np.float32)
+
+  def build():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(2)])
+    return model
+
+  ref = build()
+  ref_opt = optimizers.Adam(0.01)
+  for i in range(4):
+    ref_opt.minimize(lambda: tf.reduce_mean(tf.square(ref(x[i]) - y[i])),
+                     var_list=ref.trainable_variables)
+
+  s = ds.MirroredStrategy(CPUS)
+  with s.scope():
+    model = build()
+    opt = optimizers.Adam(0.01)
+
+  @tf.function
+  def step(xb, yb):
+    parts = [ds.values.PerDevice(dict(zip(s.worker_devices, tf.split(t, 4)))) for t in (xb, yb)]
+    s.call_for_each_tower(lambda xp, yp: opt.minimize(
+        lambda: tf.reduce_mean(tf.square(model(xp) - yp)), var_list=model.trainable_variables),
+        *parts)
+
+  with s.scope():
+    for i in range(4):
+      step(x[i], y[i])
+  for got, want in zip(model.trainable_variables, ref.trainable_variables):
+    np.testing.assert_allclose(np.asarray(got.numpy()), np.asarray(want.numpy()),
+                               rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["momentum", "adam"])
+@pytest.mark.parametrize("reader", [1, None])
+@pytest.mark.parametrize("build", [True, False], ids=["built", "deferred"])
+def test_optimizer_checkpoint_four_towers_to_one(tmp_path, name, reader, build):
+  ids, y = _data(5)
+  # Train 3 steps on 4 towers and save; continue 2 steps there for the expected values.
+  s4, emb, w, opt, _ = _distributed(name, True, 4, "eager", ids[:3], y[:3])
+  path = tf.train.Checkpoint(emb=emb, w=w, opt=opt).save(str(tmp_path / "ckpt"))
+
+  def continue_training(strategy, emb, w, opt, steps):
+    for i in steps:
+      if strategy is None:
+        opt.minimize(_loss_fn(emb, w, ids[i], y[i], True), var_list=[emb, w])
+      else:
+        with strategy.scope():
+          strategy.call_for_each_tower(lambda: opt.minimize(
+              _loss_fn(emb, w, ids[i], y[i], True), var_list=[emb, w]))
+
+  # Restore into 1 tower (or no strategy) with fresh optimizer state.
+  s1 = None if reader is None else ds.MirroredStrategy(CPUS[:reader])
+  with (s1.scope() if s1 is not None else ds.DefaultStrategy().scope()):
+    emb1, w1 = _make_vars()
+    opt1 = OPTIMIZERS[name]()
+    emb1.assign(tf.zeros_like(emb1))
+    if build:
+      opt1.build([emb1, w1])
+  status = tf.train.Checkpoint(emb=emb1, w=w1, opt=opt1).restore(path)
+  if build:
+    status.assert_consumed()
+  else:
+    # Slots are created as they are restored; non-slot variables on the first apply.
+    status.assert_existing_objects_matched()
+  for slot_name in opt.get_slot_names():
+    np.testing.assert_array_equal(np.asarray(opt1.get_slot(emb1, slot_name).numpy()),
+                                  opt.get_slot(emb, slot_name).values[0].numpy())
+  continue_training(s4, emb, w, opt, [3, 4])
+  continue_training(s1, emb1, w1, opt1, [3, 4])
+  if not build:
+    status.assert_consumed()
+  np.testing.assert_allclose(np.asarray(emb1.numpy()), emb.values[0].numpy(), rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(np.asarray(w1.numpy()), w.values[0].numpy(), rtol=2e-5, atol=2e-6)
