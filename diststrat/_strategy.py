@@ -449,8 +449,8 @@ class DistributionStrategy:
     return [value]
 
   def _distribute_dataset(self, dataset_fn):
-    raise NotImplementedError(
-        f"{type(self).__name__} does not implement distribute_dataset().")
+    from diststrat import _input  # pylint: disable=g-import-not-at-top
+    return _input.PerDeviceDataset(dataset_fn(), self._worker_devices())
 
   def _gather(self, value, axis, destinations):
     components = self._unwrap(value)

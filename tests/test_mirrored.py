@@ -493,3 +493,22 @@ def test_towers_build_one_tf_function_graph():
   assert [float(o) for o in out] == [12.0] * 4
   assert [float(o) for o in out2] == [18.0] * 4
   assert step.experimental_get_tracing_count() == 1
+
+
+def test_tower_function_gets_autograph_in_tf_function():
+  s = strategy(2)
+
+  def fn(x):
+    if x > 0:  # A tensor condition: needs AutoGraph inside tf.function.
+      y = x * 2.0
+    else:
+      y = -x
+    return y
+
+  @tf.function
+  def step(x):
+    return s.unwrap(s.call_for_each_tower(fn, x))
+
+  with s.scope():
+    assert [float(v) for v in step(tf.constant(3.0))] == [6.0, 6.0]
+    assert [float(v) for v in step(tf.constant(-2.0))] == [2.0, 2.0]

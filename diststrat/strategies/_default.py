@@ -85,6 +85,10 @@ class DefaultStrategy(DistributionStrategy):
   def _read_var(self, v):
     return tf.identity(v)
 
+  def _distribute_dataset(self, dataset_fn):
+    from diststrat import _input  # pylint: disable=g-import-not-at-top
+    return _input.PerDeviceDataset(dataset_fn(), devices=None)
+
   def _num_towers(self):
     return 1
 

@@ -151,6 +151,8 @@ class TowerRunner:
   def run(self, fn, args, kwargs):
     """Returns the list of the towers' results, in tower order."""
     self.captured = _Captured()
+    if not self.captured.eager:
+      fn = _autograph(fn)
     towers = [_Tower(self, i, d, fn, _wrapped.select_device(d, args),
                      _wrapped.select_device(d, kwargs))
               for i, d in enumerate(self.devices)]
@@ -220,6 +222,21 @@ class TowerRunner:
     for tower in towers:
       tower.aborted = True
       tower.go.set()
+
+
+def _autograph(fn):
+  """`fn` converted by AutoGraph (Python control flow on tensors) while tracing.
+
+  AutoGraph converts the functions a `tf.function` calls, but not the ones a library
+  calls for it; the tower function is one of those, so convert it here, as TensorFlow
+  does for its own strategies. Functions AutoGraph cannot convert run as they are.
+  """
+  if getattr(fn, "autograph_info__", None) is not None or not callable(fn):
+    return fn
+  try:
+    return tf.autograph.to_graph(fn)
+  except Exception:  # pylint: disable=broad-except
+    return fn
 
 
 def current_tower(strategy):

@@ -1,0 +1,114 @@
+"""Input splitting: global batches from a tf.data pipeline become per-tower batches."""
+
+from diststrat._tf import tf
+from diststrat.values import _wrapped
+
+
+class PerDeviceDataset:
+  """A dataset of global batches, seen as per-tower batches.
+
+  Each element of the underlying dataset is a global batch (any nested structure of
+  tensors whose first axis is the batch). Iterating gives the same structure with a
+  `PerDevice` at each leaf: the batch split along its first axis as evenly as possible
+  (sizes differ by at most one, the first towers get the larger parts), part i placed
+  on tower i's device. With no devices (the default strategy) batches pass through
+  unchanged.
+
+  Iterate it in eager mode (`for batch in ds`), or make an iterator with `iter(ds)` or
+  `make_one_shot_iterator()` and call `next(it)` / `it.get_next()`, also inside a
+  `tf.function`.
+
+  Example:
+    >>> import diststrat as ds, tensorflow as tf
+    >>> s = ds.MirroredStrategy(["/cpu:0"])
+    >>> with s.scope():
+    ...   data = s.distribute_dataset(lambda: tf.data.Dataset.range(6).batch(3))
+    >>> [b.values[0].numpy().tolist() for b in data]
+    [[0, 1, 2], [3, 4, 5]]
+  """
+
+  def __init__(self, dataset, devices=None, prefetch=True):
+    if not isinstance(dataset, tf.data.Dataset):
+      raise TypeError("distribute_dataset() needs dataset_fn to return a tf.data.Dataset of "
+                      f"global batches. Received: {type(dataset).__name__}")
+    self._devices = tuple(devices) if devices else None
+    self._dataset = dataset.prefetch(tf.data.AUTOTUNE) if prefetch else dataset
+
+  @property
+  def dataset(self):
+    """The underlying dataset of global batches."""
+    return self._dataset
+
+  def __iter__(self):
+    return PerDeviceIterator(iter(self._dataset), self._devices)
+
+  def make_one_shot_iterator(self):
+    """An iterator over the per-tower batches, with `get_next()`."""
+    return iter(self)
+
+
+class PerDeviceIterator:
+  """Iterator of a `PerDeviceDataset`: `next(it)` or `it.get_next()`."""
+
+  def __init__(self, iterator, devices):
+    self._iterator = iterator
+    self._devices = devices
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return self._split(next(self._iterator))
+
+  def get_next(self):
+    """The next per-tower batch (raises `tf.errors.OutOfRangeError` at the end)."""
+    return self._split(self._iterator.get_next())
+
+  def _split(self, element):
+    if self._devices is None:
+      return element
+    return tf.nest.map_structure(self._split_leaf, element)
+
+  def _split_leaf(self, batch):
+    if not isinstance(batch, tf.Tensor):
+      raise TypeError("distribute_dataset() splits dense tensors along their first axis; "
+                      f"got a {type(batch).__name__}. Convert it to a dense tensor in the "
+                      "dataset (for example with .map()).")
+    n = len(self._devices)
+    static = batch.shape[0] if batch.shape.rank else None
+    if batch.shape.rank == 0:
+      raise ValueError("distribute_dataset() needs batched elements (a first axis to split); "
+                       "got a scalar. Batch the dataset with .batch(global_batch_size).")
+    if static is not None:
+      sizes = split_sizes(static, n)
+    else:
+      size = tf.shape(batch, out_type=tf.int64)[0]
+      checks = [tf.debugging.assert_greater_equal(
+          size, tf.constant(n, tf.int64),
+          message=f"A batch with fewer examples than the {n} towers cannot be split "
+                  "across them; use a global batch size >= the number of towers.")]
+      with tf.control_dependencies(checks):
+        base = size // n
+        extra = size % n
+        sizes = base + tf.cast(tf.range(n, dtype=tf.int64) < extra, tf.int64)
+    parts = tf.split(batch, sizes, num=n, axis=0)
+    placed = {}
+    for device, part in zip(self._devices, parts):
+      with tf.device(device):
+        placed[device] = tf.identity(part)
+    return _wrapped.PerDevice(placed)
+
+
+def split_sizes(batch_size, num_towers):
+  """The per-tower sizes of a batch: as even as possible, larger parts first.
+
+  Raises:
+    ValueError: the batch has fewer examples than there are towers.
+  """
+  if batch_size < num_towers:
+    raise ValueError(
+        f"A batch of {batch_size} examples cannot be split across {num_towers} towers: each "
+        f"tower needs at least one example. Use a global batch size of at least "
+        f"{num_towers} (or drop_remainder=True when batching).")
+  base, extra = divmod(batch_size, num_towers)
+  return [base + 1 if i < extra else base for i in range(num_towers)]

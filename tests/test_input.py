@@ -1,0 +1,127 @@
+"""distribute_dataset (SPEC section 8): splitting rules, structures, placement, modes."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from diststrat import _input
+from diststrat.values import PerDevice
+from conftest import CPUS
+
+
+@pytest.mark.parametrize("batch,towers,expected", [
+    (8, 4, [2, 2, 2, 2]), (10, 4, [3, 3, 2, 2]), (5, 4, [2, 1, 1, 1]), (4, 4, [1, 1, 1, 1]),
+    (7, 1, [7]), (3, 2, [2, 1]),
+])
+def test_split_sizes(batch, towers, expected):
+  assert _input.split_sizes(batch, towers) == expected
+  assert sum(expected) == batch and max(expected) - min(expected) <= 1
+
+
+def test_too_small_batch_names_both_numbers():
+  with pytest.raises(ValueError, match="A batch of 3 examples cannot be split across 4 towers"):
+    _input.split_sizes(3, 4)
+  s = ds.MirroredStrategy(CPUS)
+  with s.scope():
+    data = s.distribute_dataset(lambda: tf.data.Dataset.range(3).batch(3))
+    with pytest.raises(ValueError, match="batch of 3 examples cannot be split across 4 towers"):
+      next(iter(data))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_even_and_uneven_batches_eager(n):
+  s = ds.MirroredStrategy(CPUS[:n])
+  with s.scope():
+    data = s.distribute_dataset(lambda: tf.data.Dataset.range(26).batch(10))
+  seen = []
+  for batch in data:
+    assert isinstance(batch, PerDevice) and batch.devices == tuple(CPUS[:n])
+    parts = [p.numpy().tolist() for p in batch.values]
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    for part, device in zip(batch.values, CPUS[:n]):
+      assert part.device == device
+    seen.extend(x for p in parts for x in p)
+  assert seen == list(range(26))  # In order, nothing lost or repeated.
+
+
+def test_nested_structures_split_leaf_by_leaf():
+  s = ds.MirroredStrategy(CPUS[:2])
+  x = np.arange(24, dtype=np.float32).reshape(6, 4)
+  y = np.arange(6, dtype=np.int32)
+
+  def dataset_fn():
+    return tf.data.Dataset.from_tensor_slices(({"a": x, "b": x * 2}, y)).batch(6)
+
+  with s.scope():
+    features, labels = next(iter(s.distribute_dataset(dataset_fn)))
+  assert set(features) == {"a", "b"}
+  np.testing.assert_array_equal(features["a"].values[0], x[:3])
+  np.testing.assert_array_equal(features["b"].values[1], x[3:] * 2)
+  np.testing.assert_array_equal(labels.values[1], y[3:])
+
+
+def test_iterate_inside_tf_function_and_one_shot_iterator():
+  s = ds.MirroredStrategy(CPUS)
+  with s.scope():
+    data = s.distribute_dataset(
+        lambda: tf.data.Dataset.range(40).map(lambda i: tf.cast(i, tf.float32)).batch(10))
+    iterator = data.make_one_shot_iterator()
+    it2 = iter(data)
+
+  @tf.function
+  def step(it):
+    batch = it.get_next()
+    sums = s.call_for_each_tower(tf.reduce_sum, batch)
+    return s.unwrap(s.reduce("sum", sums))[0], s.unwrap(batch)
+
+  with s.scope():
+    total, parts = step(iterator)
+    assert float(total) == sum(range(10))
+    assert [p.shape[0] for p in parts] == [3, 3, 2, 2]
+    total, _ = step(iterator)
+    assert float(total) == sum(range(10, 20))
+    first = tf.function(lambda: s.unwrap(next(it2)))()
+  assert [p.numpy().tolist() for p in first][0] == [0.0, 1.0, 2.0]
+
+
+def test_dynamic_batch_too_small_in_tf_function():
+  s = ds.MirroredStrategy(CPUS)
+  with s.scope():
+    it = iter(s.distribute_dataset(lambda: tf.data.Dataset.range(6).batch(4)))
+
+  @tf.function
+  def step(it):
+    return s.unwrap(it.get_next())
+
+  with s.scope():
+    assert [int(p.shape[0]) for p in step(it)] == [1, 1, 1, 1]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="fewer examples than the 4 towers"):
+      step(it)  # The last batch has 2 examples.
+
+
+def test_default_strategy_passes_batches_through():
+  s = ds.DefaultStrategy()
+  data = s.distribute_dataset(lambda: tf.data.Dataset.range(4).batch(2))
+  assert [b.numpy().tolist() for b in data] == [[0, 1], [2, 3]]
+
+
+def test_bad_dataset_fn_and_elements():
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    with pytest.raises(TypeError, match="needs dataset_fn to return a tf.data.Dataset"):
+      s.distribute_dataset(lambda: [1, 2])
+    data = s.distribute_dataset(lambda: tf.data.Dataset.range(4))
+    with pytest.raises(ValueError, match="needs batched elements"):
+      next(iter(data))
+
+
+def test_per_tower_batches_feed_towers():
+  s = ds.MirroredStrategy(CPUS)
+  with s.scope():
+    data = s.distribute_dataset(lambda: tf.data.Dataset.range(8).batch(8))
+    batch = next(iter(data))
+    devices = s.call_for_each_tower(lambda b: (b.device, ds.get_tower_context().device), batch)
+  for got, want in zip(s.unwrap(devices[0]) if False else devices[0].values, devices[1].values):
+    assert got == want
