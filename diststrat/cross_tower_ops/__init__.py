@@ -1,0 +1,18 @@
+"""Cross-tower reduction: combine per-tower values across devices (SPEC section 6).
+
+`CrossTowerOps` is the base class; `ReductionToOneDevice` and `AllReduceCrossTowerOps`
+ship, and `choose_cross_tower_ops(devices)` picks one for a set of devices. See
+docs/cross_tower_ops.md.
+"""
+
+from diststrat.cross_tower_ops._all_reduce import AllReduceCrossTowerOps as AllReduceCrossTowerOps
+from diststrat.cross_tower_ops._all_reduce import choose_cross_tower_ops as choose_cross_tower_ops
+from diststrat.cross_tower_ops._base import CrossTowerOps as CrossTowerOps
+from diststrat.cross_tower_ops._one_device import ReductionToOneDevice as ReductionToOneDevice
+
+__all__ = [
+    "CrossTowerOps",
+    "ReductionToOneDevice",
+    "AllReduceCrossTowerOps",
+    "choose_cross_tower_ops",
+]

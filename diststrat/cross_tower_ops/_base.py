@@ -1,0 +1,495 @@
+"""`CrossTowerOps`: the base class of every cross-tower reduction algorithm.
+
+The public methods (`reduce`, `batch_reduce`, `broadcast`) check and normalize their
+arguments, handle what every algorithm shares (values held on one device, `IndexedSlices`),
+and call an underscored hook for the rest. Hooks only build graph ops under `tf.device`:
+in eager mode the base class traces them once per input signature into a `tf.function` and
+runs that, so one call launches the work on every device together (collectives hang
+otherwise) and costs one dispatch instead of one per op. Inside a `tf.function` the hooks
+add their ops to the function being traced.
+
+A new algorithm is a subclass that implements `_reduce` (and, to do a batch together,
+`_batch_reduce`); see docs/cross_tower_ops.md.
+"""
+
+import collections
+import threading
+
+from diststrat._tf import tf
+from diststrat import _devices
+from diststrat import _strategy
+from diststrat.cross_tower_ops import _tf_internal
+from diststrat.values import _wrapped
+
+_MEAN = tf.VariableAggregation.MEAN
+_MAX_CACHED_FUNCTIONS = 256
+
+
+class CrossTowerOps:
+  """Reduces per-tower values across devices and broadcasts values to devices.
+
+  Every method works in eager mode and inside `tf.function`. Results are `Mirrored` values
+  with one component per destination device, placed on that device.
+
+  Example:
+    >>> import tensorflow as tf
+    >>> from diststrat.cross_tower_ops import AllReduceCrossTowerOps
+    >>> from diststrat.values import PerDevice
+    >>> ops = AllReduceCrossTowerOps("naive")
+    >>> grads = PerDevice({"/cpu:0": tf.constant(1.0), "/cpu:1": tf.constant(3.0)})
+    >>> [float(v) for v in ops.reduce("mean", grads).values]
+    [2.0, 2.0]
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._functions = collections.OrderedDict()
+
+  # Subclasses implement: `_reduce` (required); the hooks after it have defaults.
+
+  def _reduce(self, aggregation, per_device_value, destinations):
+    """Reduces one dense value held on two or more devices.
+
+    Args:
+      aggregation: `tf.VariableAggregation.SUM` or `tf.VariableAggregation.MEAN`.
+      per_device_value: a `PerDevice` of dense tensors of one dtype, at least two.
+      destinations: a tuple of canonical device strings.
+
+    Returns:
+      A `Mirrored` with the reduced value on each of `destinations`.
+    """
+    raise NotImplementedError(f"{type(self).__name__} must implement _reduce()")
+
+  def _batch_reduce(self, aggregation, value_destination_pairs):
+    """Reduces several dense values together; by default, `_reduce` on each pair.
+
+    Args:
+      aggregation: as in `_reduce`.
+      value_destination_pairs: a list of `(per_device_value, destinations)`, each as the
+        arguments of `_reduce`.
+
+    Returns:
+      A list with one `Mirrored` per pair.
+    """
+    return [self._reduce(aggregation, value, destinations)
+            for value, destinations in value_destination_pairs]
+
+  def _broadcast(self, tensor, destinations):
+    """Copies `tensor` (dense or `IndexedSlices`) to each of `destinations` (a tuple)."""
+    return mirror(tensor, destinations)
+
+  def _reduce_indexed_slices(self, aggregation, per_device_value, destinations):
+    """Reduces `IndexedSlices` by concatenating them on the first destination."""
+    device = destinations[0]
+    return mirror(concat_indexed_slices(aggregation, per_device_value, device),
+                  destinations, source_device=device)
+
+  def _failure_hint(self):
+    """Advice added to the message of an error raised while the launched work runs."""
+    return ""
+
+  # Shared behaviour:
+
+  def reduce(self, aggregation, per_device_value, destinations=None):
+    """Reduces the components of `per_device_value` and mirrors the result.
+
+    Args:
+      aggregation: `tf.VariableAggregation.SUM`, `tf.VariableAggregation.MEAN`, `"sum"` or
+        `"mean"`. MEAN divides by the number of components (integers: floor division).
+      per_device_value: a `PerDevice` (or any wrapped value) of tensors or
+        `tf.IndexedSlices`, or a plain tensor (one value, on its device).
+      destinations: where the result goes: None (the devices of `per_device_value`), a
+        device string, a list of them, a variable or a wrapped value (their devices).
+
+    Returns:
+      A `Mirrored` with one component per destination device, placed on that device.
+      `IndexedSlices` stay `IndexedSlices`: the towers' values and indices concatenated.
+
+    Raises:
+      ValueError: a bad aggregation, destinations, or components of different dtypes.
+
+    Example:
+      >>> import tensorflow as tf
+      >>> from diststrat.cross_tower_ops import ReductionToOneDevice
+      >>> from diststrat.values import PerDevice
+      >>> x = PerDevice({"/cpu:0": tf.constant(1.0), "/cpu:1": tf.constant(3.0)})
+      >>> [float(v) for v in ReductionToOneDevice().reduce("sum", x, "/cpu:1").values]
+      [4.0]
+    """
+    aggregation = _strategy.canonical_aggregation(aggregation)
+    value = _as_per_device(per_device_value, "reduce", destinations)
+    destinations = _destination_devices(destinations, value.devices)
+    return self._run("reduce", aggregation, [(value, destinations)])[0]
+
+  def batch_reduce(self, aggregation, value_destination_pairs):
+    """Like `reduce` on each `(value, destinations)` pair, all in one launch.
+
+    Args:
+      aggregation: as in `reduce`, for every pair.
+      value_destination_pairs: a list of `(per_device_value, destinations)` pairs, each as
+        the arguments of `reduce`.
+
+    Returns:
+      A list with one `Mirrored` per pair, in order.
+
+    Example:
+      >>> a = PerDevice({"/cpu:0": tf.constant(1.0), "/cpu:1": tf.constant(2.0)})
+      >>> b = PerDevice({"/cpu:0": tf.ones([2]), "/cpu:1": tf.ones([2])})
+      >>> sums = ReductionToOneDevice().batch_reduce("sum", [(a, None), (b, "/cpu:0")])
+      >>> float(sums[0].values[1]), sums[1].values[0].numpy().tolist()
+      (3.0, [2.0, 2.0])
+    """
+    aggregation = _strategy.canonical_aggregation(aggregation)
+    if isinstance(value_destination_pairs, (str, bytes)) or not isinstance(
+        value_destination_pairs, (list, tuple)):
+      raise ValueError("batch_reduce() takes a list of (value, destinations) pairs. "
+                       f"Received: value_destination_pairs={value_destination_pairs!r}")
+    items = []
+    for i, pair in enumerate(value_destination_pairs):
+      if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+        raise ValueError("batch_reduce() takes a list of (value, destinations) pairs. "
+                         f"Received: item {i} = {pair!r}")
+      value = _as_per_device(pair[0], "batch_reduce", pair[1])
+      items.append((value, _destination_devices(pair[1], value.devices)))
+    if not items:
+      return []
+    return self._run("batch_reduce", aggregation, items)
+
+  def broadcast(self, tensor, destinations):
+    """Copies `tensor` to every destination device.
+
+    Args:
+      tensor: a tensor, `tf.IndexedSlices`, variable (its value) or anything
+        `tf.convert_to_tensor` takes.
+      destinations: a device string, a list of them, a variable or a wrapped value.
+
+    Returns:
+      A `Mirrored` with a copy of `tensor` on each destination device.
+
+    Example:
+      >>> copies = ReductionToOneDevice().broadcast(tf.constant(1.0), ["/cpu:0", "/cpu:1"])
+      >>> [float(v) for v in copies.values]
+      [1.0, 1.0]
+    """
+    if destinations is None:
+      raise ValueError("broadcast() needs destinations: a device string, a list of them, a "
+                       "variable or a wrapped value. Received: destinations=None")
+    if isinstance(tensor, _wrapped.DistributedValues):
+      raise ValueError(f"broadcast() takes one tensor, not a wrapped value. Received: "
+                       f"{tensor!r}. Use reduce() to combine the components of a wrapped "
+                       "value.")
+    value = _as_per_device(tensor, "broadcast", destinations)
+    destinations = _destination_devices(destinations, value.devices)
+    return self._run("broadcast", None, [(value, destinations)])[0]
+
+  def __repr__(self):
+    return f"{type(self).__name__}()"
+
+  def _run(self, kind, aggregation, items):
+    """Builds the work for `items` in the current graph, or in eager mode runs it as one."""
+    if tf.executing_eagerly():
+      return self._launch(kind, aggregation, items)
+    return self._build(kind, aggregation, items)
+
+  def _build(self, kind, aggregation, items):
+    """Routes each item to the hook that reduces it; returns Mirrored results in order."""
+    if kind == "broadcast":
+      results = [self._broadcast(value.primary, destinations) for value, destinations in items]
+      return [_in_order(r, d, self, "_broadcast") for r, (_, d) in zip(results, items)]
+    results = [None] * len(items)
+    dense = []
+    for i, (value, destinations) in enumerate(items):
+      if len(value) == 1:  # The sum and the mean of one value are that value.
+        results[i] = mirror(value.primary, destinations, source_device=value.devices[0])
+      elif any(isinstance(c, tf.IndexedSlices) for c in value.values):
+        results[i] = self._reduce_indexed_slices(aggregation, value, destinations)
+      else:
+        dense.append(i)
+    if kind == "reduce" and dense:
+      reduced = [self._reduce(aggregation, *items[dense[0]])]
+    elif dense:
+      reduced = self._batch_reduce(aggregation, [items[i] for i in dense])
+    else:
+      reduced = []
+    for i, r in zip(dense, reduced):
+      results[i] = r
+    return [_in_order(r, d, self, f"_{kind}") for r, (_, d) in zip(results, items)]
+
+  def _launch(self, kind, aggregation, items):
+    """Runs `_build` for `items` as one cached `tf.function` (eager mode)."""
+    flat, signature = _flatten_items(items)
+    key = (kind, aggregation, signature)
+    with self._lock:
+      entry = self._functions.get(key)
+      if entry is not None:
+        self._functions.move_to_end(key)
+    if entry is None:
+      entry = self._trace(kind, aggregation, signature, flat)
+      with self._lock:
+        self._functions[key] = entry
+        while len(self._functions) > _MAX_CACHED_FUNCTIONS:
+          self._functions.popitem(last=False)
+    function, out_kinds = entry
+    try:
+      outputs = _tf_internal.call_flat(function, flat)
+    except tf.errors.OpError as e:
+      message = (f"{self!r}.{kind}() failed ({type(e).__name__}).{self._failure_hint()} "
+                 f"TensorFlow's message: {e.message}")
+      raise _with_message(e, message) from e
+    return _unflatten_results(outputs, out_kinds, [d for _, d in items])
+
+  def _trace(self, kind, aggregation, signature, flat):
+    out_kinds = []
+
+    def body(*args):
+      items = _unflatten_items(args, signature)
+      results = self._build(kind, aggregation, items)
+      outputs, kinds = _flatten_results(results, [d for _, d in items])
+      out_kinds.extend(kinds)
+      return outputs
+
+    function = tf.function(body, autograph=False).get_concrete_function(*flat)
+    return function, out_kinds
+
+
+# --- helpers for algorithms -----------------------------------------------------------
+
+
+def mirror(tensor, destinations, source_device=None):
+  """A `Mirrored` of `tensor`: a `tf.identity` on each destination but `source_device`.
+
+  Between logical CPU devices the identity shares the buffer; between GPUs it copies.
+  """
+  copies = {}
+  for device in destinations:
+    if device == source_device:
+      copies[device] = tensor
+    else:
+      with tf.device(device):
+        copies[device] = _identity(tensor)
+  return _wrapped.Mirrored(copies)
+
+
+def divide(tensor, count):
+  """`tensor / count` for the MEAN aggregation; integers use floor division."""
+  if count == 1:
+    return tensor
+  if tensor.dtype.is_integer:
+    return tensor // count
+  return tensor / count
+
+
+def concat_indexed_slices(aggregation, per_device_value, device):
+  """The `IndexedSlices` components concatenated on `device`; MEAN divides the values.
+
+  Dense components are taken as slices that cover every row. Nothing is densified.
+  """
+  parts = [_as_indexed_slices(c) for c in per_device_value.values]
+  index_dtypes = {p.indices.dtype for p in parts}
+  with tf.device(device):
+    if len(index_dtypes) > 1:
+      parts = [tf.IndexedSlices(p.values, tf.cast(p.indices, tf.int64), p.dense_shape)
+               for p in parts]
+    values = tf.concat([p.values for p in parts], axis=0)
+    indices = tf.concat([p.indices for p in parts], axis=0)
+    if aggregation == _MEAN:
+      values = divide(values, len(parts))
+    dense_shape = next((tf.identity(p.dense_shape) for p in parts
+                        if p.dense_shape is not None), None)
+  return tf.IndexedSlices(values, indices, dense_shape)
+
+
+def _as_indexed_slices(value):
+  if isinstance(value, tf.IndexedSlices):
+    return value
+  shape = tf.shape(value, out_type=tf.int64)
+  return tf.IndexedSlices(value, tf.range(shape[0]), shape)
+
+
+def _identity(value):
+  if isinstance(value, tf.IndexedSlices):
+    return tf.IndexedSlices(
+        tf.identity(value.values), tf.identity(value.indices),
+        None if value.dense_shape is None else tf.identity(value.dense_shape))
+  return tf.identity(value)
+
+
+def _with_message(error, message):
+  """`error` again, same type, with `message`."""
+  try:
+    return type(error)(error.node_def, error.op, message)
+  except TypeError:
+    return RuntimeError(message)
+
+
+# --- normalizing arguments ------------------------------------------------------------
+
+
+def _as_per_device(value, method, destinations):
+  """`value` as a `PerDevice` of tensors and `IndexedSlices`, checked."""
+  if value is None:
+    raise ValueError(f"{method}() needs a value. Received: None")
+  value = _strategy.as_tf_variable(value)
+  if isinstance(value, _wrapped.DistributedValues):
+    index = dict(zip(value.devices, value.values))
+  elif _is_distributed_variable(value):
+    index = {d: value.get(d) for d in _devices.canonicalize_all(value.devices)}
+  else:
+    index = {_home_device(value, destinations): value}
+  index = {d: _as_tensor(v, d) for d, v in index.items()}
+  dtypes = {v.dtype for v in index.values()}
+  if len(dtypes) > 1:
+    raise ValueError(f"{method}() needs components of one dtype. Received: "
+                     f"{ {d: v.dtype.name for d, v in index.items()} }. Cast them to one "
+                     "dtype first.")
+  shapes = [v.shape for v in index.values() if not isinstance(v, tf.IndexedSlices)]
+  if any(not s.is_compatible_with(shapes[0]) for s in shapes[1:]):
+    raise ValueError(f"{method}() needs components of one shape. Received: "
+                     f"{ {d: v.shape for d, v in index.items()} }.")
+  return _wrapped.PerDevice(index)
+
+
+def _is_distributed_variable(value):
+  """A distributed variable that is not a `DistributedValues`: it has devices and get()."""
+  return (not isinstance(value, (tf.Variable, tf.Tensor, tf.IndexedSlices))
+          and isinstance(getattr(value, "devices", None), (tuple, list))
+          and callable(getattr(value, "get", None)))
+
+
+def _home_device(value, destinations):
+  """The device of a plain value: its own, else the current scope's, else a destination."""
+  device = getattr(value, "device", None)
+  if isinstance(value, tf.IndexedSlices):
+    device = value.values.device
+  if device:
+    return _devices.canonicalize(device)
+  current = _devices.current_device()
+  if current:
+    return current
+  if destinations is not None:
+    return _destination_devices(destinations, None)[0]
+  return _devices.canonicalize("/cpu:0")
+
+
+def _as_tensor(value, device):
+  value = _strategy.as_tf_variable(value)
+  if isinstance(value, (tf.Tensor, tf.IndexedSlices)):
+    return value
+  with tf.device(device):
+    return tf.convert_to_tensor(value)
+
+
+def _destination_devices(destinations, default):
+  """The canonical devices `destinations` names; `default` when it is None."""
+  if destinations is None:
+    return default
+  destinations = _strategy.as_tf_variable(destinations)
+  if _is_distributed_variable(destinations):
+    return _devices.canonicalize_all(destinations.devices)
+  return _wrapped.devices_of(destinations)
+
+
+def _in_order(result, destinations, ops, hook):
+  """`result` as a `Mirrored` over exactly `destinations`, in that order."""
+  if not isinstance(result, _wrapped.DistributedValues):
+    raise TypeError(f"{type(ops).__name__}.{hook}() must return a Mirrored. Received: "
+                    f"{result!r}")
+  if result.devices == destinations:
+    return result
+  return _wrapped.Mirrored({d: result.get(d) for d in destinations})
+
+
+# --- flattening for the eager tf.function ----------------------------------------------
+
+
+def _flatten_items(items):
+  """The tensors of `items` as one flat list, and a hashable signature to rebuild them."""
+  flat = []
+  signature = []
+  for value, destinations in items:
+    components = []
+    for device, component in zip(value.devices, value.values):
+      if isinstance(component, tf.IndexedSlices):
+        parts = [component.values, component.indices]
+        if component.dense_shape is not None:
+          parts.append(component.dense_shape)
+      else:
+        parts = [component]
+      flat.extend(parts)
+      components.append((device, isinstance(component, tf.IndexedSlices),
+                         tuple((p.dtype, tuple(p.shape)) for p in parts)))
+    signature.append((tuple(components), destinations))
+  return flat, tuple(signature)
+
+
+def _unflatten_items(flat, signature):
+  items = []
+  position = 0
+  for components, destinations in signature:
+    index = {}
+    for device, sparse, parts in components:
+      taken = flat[position:position + len(parts)]
+      position += len(parts)
+      index[device] = tf.IndexedSlices(*taken) if sparse else taken[0]
+    items.append((_wrapped.PerDevice(index), destinations))
+  return items
+
+
+def _flatten_results(results, destinations_list):
+  outputs = []
+  kinds = []
+  for result, destinations in zip(results, destinations_list):
+    for device in destinations:
+      component = result.get(device)
+      if isinstance(component, tf.IndexedSlices):
+        parts = [component.values, component.indices]
+        if component.dense_shape is not None:
+          parts.append(component.dense_shape)
+      else:
+        parts = [component]
+      outputs.extend(parts)
+      kinds.append(len(parts) if isinstance(component, tf.IndexedSlices) else 0)
+  return outputs, kinds
+
+
+def _unflatten_results(outputs, kinds, destinations_list):
+  outputs = _relabel(outputs, kinds, destinations_list)
+  results = []
+  position = 0
+  kinds = iter(kinds)
+  for destinations in destinations_list:
+    index = {}
+    for device in destinations:
+      kind = next(kinds)
+      parts = outputs[position:position + (kind or 1)]
+      position += kind or 1
+      index[device] = tf.IndexedSlices(*parts) if kind else parts[0]
+    results.append(_wrapped.Mirrored(index))
+  return results
+
+
+def _relabel(outputs, kinds, destinations_list):
+  """The function's outputs, each with `.device` naming the device it lives on.
+
+  An eager tensor returned by a `tf.function` lives where the op that made it ran (its
+  `backing_device`), but its `.device` names the device the call ran on. An identity on
+  the right device fixes the name without copying the data: one `IdentityN` per device.
+  """
+  wanted = []
+  kinds = iter(kinds)
+  for destinations in destinations_list:
+    for device in destinations:
+      wanted.extend([device] * (next(kinds) or 1))
+  wrong = collections.defaultdict(list)
+  for i, (tensor, device) in enumerate(zip(outputs, wanted)):
+    if tensor.device != device:
+      wrong[device].append(i)
+  if not wrong:
+    return outputs
+  outputs = list(outputs)
+  for device, positions in wrong.items():
+    with tf.device(device):
+      relabelled = tf.raw_ops.IdentityN(input=[outputs[i] for i in positions])
+    for i, tensor in zip(positions, relabelled):
+      outputs[i] = tensor
+  return outputs

@@ -1,0 +1,59 @@
+"""`ReductionToOneDevice`: gather every value on one device, reduce there, copy back."""
+
+from diststrat._tf import tf
+from diststrat import _devices
+from diststrat.cross_tower_ops import _base
+
+
+class ReductionToOneDevice(_base.CrossTowerOps):
+  """Reduces each value on one device, then copies the result to the destinations.
+
+  Works for any devices and any destinations (they need not match the values' devices),
+  which makes it the fallback of the all-reduce algorithms.
+
+  Args:
+    reduce_to_device: the device that does the reduction. None: the first destination of
+      each value.
+    accumulation_fn: adds a list of dense tensors of one shape; `tf.math.add_n` by default.
+
+  Example:
+    >>> import tensorflow as tf
+    >>> from diststrat.cross_tower_ops import ReductionToOneDevice
+    >>> from diststrat.values import PerDevice
+    >>> x = PerDevice({"/cpu:0": tf.constant(1.0), "/cpu:1": tf.constant(3.0)})
+    >>> ReductionToOneDevice().reduce("sum", x, destinations="/cpu:0").values
+    (<tf.Tensor: shape=(), dtype=float32, numpy=4.0>,)
+  """
+
+  def __init__(self, reduce_to_device=None, accumulation_fn=tf.math.add_n):
+    super().__init__()
+    if not callable(accumulation_fn):
+      raise ValueError("accumulation_fn must be a callable that adds a list of tensors, "
+                       f"such as tf.math.add_n. Received: accumulation_fn={accumulation_fn!r}")
+    self._reduce_to_device = (None if reduce_to_device is None
+                              else _devices.canonicalize(reduce_to_device))
+    self._accumulation_fn = accumulation_fn
+
+  @property
+  def reduce_to_device(self):
+    """The device that reduces, or None for the first destination of each value."""
+    return self._reduce_to_device
+
+  def __repr__(self):
+    return f"ReductionToOneDevice(reduce_to_device={self._reduce_to_device!r})"
+
+  def _device_for(self, destinations):
+    return self._reduce_to_device or destinations[0]
+
+  def _reduce(self, aggregation, per_device_value, destinations):
+    device = self._device_for(destinations)
+    with tf.device(device):
+      total = self._accumulation_fn(list(per_device_value.values))
+      if aggregation == tf.VariableAggregation.MEAN:
+        total = _base.divide(total, len(per_device_value))
+    return _base.mirror(total, destinations, source_device=device)
+
+  def _reduce_indexed_slices(self, aggregation, per_device_value, destinations):
+    device = self._device_for(destinations)
+    total = _base.concat_indexed_slices(aggregation, per_device_value, device)
+    return _base.mirror(total, destinations, source_device=device)
