@@ -22,6 +22,7 @@ from diststrat._context import has_distribution_strategy as has_distribution_str
 from diststrat._strategy import DistributionStrategy as DistributionStrategy
 from diststrat.strategies import DefaultStrategy as DefaultStrategy
 from diststrat.strategies import MirroredStrategy as MirroredStrategy
+from diststrat.strategies import ParameterServerStrategy as ParameterServerStrategy
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "DistributionStrategy",
     "DefaultStrategy",
     "MirroredStrategy",
+    "ParameterServerStrategy",
     "TowerContext",
     "get_tower_context",
     "get_cross_tower_context",

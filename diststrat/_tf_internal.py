@@ -1,13 +1,23 @@
 """The few places where diststrat reaches past TensorFlow's public API.
 
-TensorFlow keeps some per-thread state that a library running model code in its own
-threads must carry over from the calling thread: the current graph's device stack, its
-variable creator stack, name scope and control dependencies. There is no public API to
-read or re-install these, so the reach lives here, in one small module, and nowhere else.
+Nothing else in diststrat imports `tensorflow.python`. What is here, and why:
+
+- Per-thread state that a library running model code in its own threads must carry over
+  from the calling thread: the current graph's device stack, its variable creator
+  stack and control dependencies. There is no public API to read or re-install these.
+- Collective ops: TensorFlow has no public API for them outside `tf.distribute`, and
+  diststrat builds on primitives, not on `tf.distribute` (SPEC, preamble).
+- Calling a traced function with a flat list of tensors: the public call binds every
+  argument to the function's signature in Python, which costs ~7 us per tensor; a
+  `batch_reduce` of 50 tensors on 4 devices passes 200. `call_flat` skips the binding,
+  and falls back to the public call if TensorFlow renames what it uses.
 """
+
+import inspect
 
 from tensorflow.python.eager import context as _context  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import ops as _ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import,unused-import
 
 from diststrat._tf import tf
 
@@ -56,3 +66,25 @@ def current_control_dependencies():
 
 def executing_eagerly_outside_functions():
   return _ops.executing_eagerly_outside_functions()
+
+
+_FAST_CALL_PARAMETERS = ["self", "tensor_inputs", "captured_inputs"]
+_fast_call_ok = {}  # ConcreteFunction class -> whether its _call_flat is the one we know
+
+
+def _has_fast_call(cls):
+  if cls not in _fast_call_ok:
+    method = getattr(cls, "_call_flat", None)
+    try:
+      _fast_call_ok[cls] = method is not None and list(
+          inspect.signature(method).parameters) == _FAST_CALL_PARAMETERS
+    except (TypeError, ValueError):  # pragma: no cover - depends on the TensorFlow version
+      _fast_call_ok[cls] = False
+  return _fast_call_ok[cls]
+
+
+def call_flat(concrete_function, tensors):
+  """Calls `concrete_function` (traced with `*tensors`) on `tensors`; returns its outputs."""
+  if _has_fast_call(type(concrete_function)):
+    return concrete_function._call_flat(list(tensors), concrete_function.captured_inputs)  # pylint: disable=protected-access
+  return concrete_function(*tensors)

@@ -18,7 +18,7 @@ import threading
 from diststrat._tf import tf
 from diststrat import _devices
 from diststrat import _strategy
-from diststrat.cross_tower_ops import _tf_internal
+from diststrat import _tf_internal
 from diststrat.values import _wrapped
 
 _MEAN = tf.VariableAggregation.MEAN

@@ -11,7 +11,7 @@ tokens (see TF_NOTES.md); the V1 ops are not chained.
 import threading
 
 from diststrat._tf import tf
-from diststrat.cross_tower_ops._tf_internal import collective_ops as _collective_ops
+from diststrat._tf_internal import collective_ops as _collective_ops
 
 # tf.distribute numbers its groups and instances from 1. Starting far above lets both
 # libraries run collectives in one process without their keys meeting.

@@ -2,5 +2,6 @@
 
 from diststrat.strategies._default import DefaultStrategy as DefaultStrategy
 from diststrat.strategies._mirrored import MirroredStrategy as MirroredStrategy
+from diststrat.strategies._parameter_server import ParameterServerStrategy as ParameterServerStrategy
 
-__all__ = ["DefaultStrategy", "MirroredStrategy"]
+__all__ = ["DefaultStrategy", "MirroredStrategy", "ParameterServerStrategy"]

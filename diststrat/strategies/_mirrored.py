@@ -61,6 +61,21 @@ def check_variable_kwargs(kwargs):
         f"aggregation={aggregation!r}, name={kwargs.get('name')!r}")
 
 
+def default_cross_tower_ops(devices):
+  """The reduction a MirroredStrategy uses when none is given.
+
+  GPUs: `choose_cross_tower_ops(devices)` (NCCL for several). Devices that are not all
+  GPUs: the "naive" all-reduce, which measured fastest on logical CPU devices (about 6x
+  "collective", 2x reduction to one device; see docs/cross_tower_ops.md).
+  """
+  from diststrat import cross_tower_ops  # pylint: disable=g-import-not-at-top
+  if all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices):
+    return cross_tower_ops.choose_cross_tower_ops(devices)
+  if len(devices) > 1:
+    return cross_tower_ops.AllReduceCrossTowerOps("naive")
+  return cross_tower_ops.ReductionToOneDevice()
+
+
 class MirroredStrategy(DistributionStrategy):
   """Data parallelism on the devices of one machine, variables mirrored on each.
 
@@ -73,7 +88,8 @@ class MirroredStrategy(DistributionStrategy):
     devices: the devices to run towers on. Default: all local GPUs, else all local CPU
       devices.
     cross_tower_ops: a `diststrat.cross_tower_ops.CrossTowerOps` that does reductions.
-      Default: `choose_cross_tower_ops(devices)`.
+      Default: `choose_cross_tower_ops(devices)` on GPUs, the "naive" all-reduce on
+      other devices (see `default_cross_tower_ops`).
     tower_timeout: seconds a tower may run between two pauses (merge_call or return)
       before the call fails with an error naming the tower; a guard against hangs.
 
@@ -102,10 +118,14 @@ class MirroredStrategy(DistributionStrategy):
   def __repr__(self):
     return f"MirroredStrategy(devices={list(self._devices)})"
 
+  @property
+  def cross_tower_ops(self):
+    """The `CrossTowerOps` that does this strategy's reductions."""
+    return self._get_cross_tower_ops()
+
   def _get_cross_tower_ops(self):
     if self._cross_tower_ops is None:
-      from diststrat import cross_tower_ops  # pylint: disable=g-import-not-at-top
-      self._cross_tower_ops = cross_tower_ops.choose_cross_tower_ops(self._devices)
+      self._cross_tower_ops = default_cross_tower_ops(self._devices)
     return self._cross_tower_ops
 
   # --- variables ---
@@ -114,7 +134,8 @@ class MirroredStrategy(DistributionStrategy):
     check_variable_kwargs(kwargs)
     tower = _tower_threads.current_tower(self)
     if tower is not None:
-      return self._shared_tower_variable(tower, next_creator, kwargs, colocate_with)
+      return tower.shared_variable(kwargs, lambda: self._create_distributed_variable(
+          next_creator, kwargs, colocate_with))
     return self._create_distributed_variable(next_creator, kwargs, colocate_with)
 
   def _create_distributed_variable(self, next_creator, kwargs, colocate_with):
@@ -124,29 +145,6 @@ class MirroredStrategy(DistributionStrategy):
       devices = _wrapped.devices_of(colocate_with)
     return make_distributed_variable(create_copies(next_creator, kwargs, devices), kwargs,
                                      self)
-
-  def _shared_tower_variable(self, tower, next_creator, kwargs, colocate_with):
-    """Tower 0 creates each variable; tower i's n-th creation returns tower 0's n-th."""
-    store = tower.runner.shared_variables
-    index = tower.variables_created
-    tower.variables_created += 1
-    name = kwargs.get("name")
-    if tower.tower_id == 0:
-      variable = self._create_distributed_variable(next_creator, kwargs, colocate_with)
-      store.append((name, variable))
-      return variable
-    if index >= len(store):
-      raise ValueError(
-          f"Tower {tower.tower_id} created more variables than tower 0 (variable number "
-          f"{index}, name={name!r}). Every tower must create the same variables in the "
-          "same order; create them in scope() before call_for_each_tower to be sure.")
-    expected, variable = store[index]
-    if expected != name:
-      raise ValueError(
-          f"Tower {tower.tower_id}'s variable number {index} is named {name!r}, but tower "
-          f"0's is named {expected!r}. Every tower must create the same variables in the "
-          "same order.")
-    return variable
 
   # --- towers ---
 

@@ -127,6 +127,33 @@ class _Tower:
       self.done = True
       self.paused.set()
 
+  def shared_variable(self, kwargs, create):
+    """Tower 0 creates each variable (with `create()`); tower i's n-th gets tower 0's n-th.
+
+    Raises:
+      ValueError: the names differ, or this tower creates more variables than tower 0.
+    """
+    store = self.runner.shared_variables
+    index = self.variables_created
+    self.variables_created += 1
+    name = kwargs.get("name")
+    if self.tower_id == 0:
+      variable = create()
+      store.append((name, variable))
+      return variable
+    if index >= len(store):
+      raise ValueError(
+          f"Tower {self.tower_id} created more variables than tower 0 (variable number "
+          f"{index}, name={name!r}). Every tower must create the same variables in the "
+          "same order; create them in scope() before call_for_each_tower to be sure.")
+    expected, variable = store[index]
+    if expected != name:
+      raise ValueError(
+          f"Tower {self.tower_id}'s variable number {index} is named {name!r}, but tower "
+          f"0's is named {expected!r}. Every tower must create the same variables in the "
+          "same order.")
+    return variable
+
   def pause_for_merge(self, merge_fn, args, kwargs):
     """Called in the tower thread by merge_call: hand over, wait, return our part."""
     self.merge_fn, self.merge_args, self.merge_kwargs = merge_fn, args, kwargs
