@@ -421,21 +421,33 @@ class DistributionStrategy:
   def _call_for_each_tower(self, fn, args, kwargs):
     raise NotImplementedError(f"{type(self).__name__} must implement _call_for_each_tower()")
 
+  def _get_cross_tower_ops(self):
+    """The `CrossTowerOps` behind the default `_reduce`, `_batch_reduce`, `_broadcast`."""
+    raise NotImplementedError(
+        f"{type(self).__name__} must implement _get_cross_tower_ops() or _reduce()")
+
   def _reduce(self, aggregation, value, destinations):
-    raise NotImplementedError(f"{type(self).__name__} must implement _reduce()")
+    return self._get_cross_tower_ops().reduce(aggregation, value,
+                                              destinations or self._worker_devices())
 
   def _batch_reduce(self, aggregation, value_destination_pairs):
-    return [self._reduce(aggregation, value, destinations)
-            for value, destinations in value_destination_pairs]
+    if type(self)._reduce is not DistributionStrategy._reduce:
+      # The subclass reduces its own way: one pair at a time through it.
+      return [self._reduce(aggregation, value, destinations)
+              for value, destinations in value_destination_pairs]
+    pairs = [(v, d or self._worker_devices()) for v, d in value_destination_pairs]
+    return self._get_cross_tower_ops().batch_reduce(aggregation, pairs)
 
   def _broadcast(self, tensor, destinations):
-    raise NotImplementedError(f"{type(self).__name__} must implement _broadcast()")
+    return self._get_cross_tower_ops().broadcast(tensor, destinations or self._worker_devices())
 
   def _update(self, var, fn, args, kwargs):
-    raise NotImplementedError(f"{type(self).__name__} must implement _update()")
+    """Default: `fn` once on each device holding `var` (each copy, or its one device)."""
+    return self._run_on_devices(_wrapped.devices_of(var), fn, args, kwargs, first_arg=var)
 
   def _update_non_slot(self, colocate_with, fn, args, kwargs):
-    raise NotImplementedError(f"{type(self).__name__} must implement _update_non_slot()")
+    """Default: `fn` once on each device `colocate_with` names."""
+    return self._run_on_devices(_wrapped.devices_of(colocate_with), fn, args, kwargs)
 
   def _non_slot_devices(self, var_list):
     raise NotImplementedError(f"{type(self).__name__} must implement _non_slot_devices()")

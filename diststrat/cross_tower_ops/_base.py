@@ -402,6 +402,16 @@ def _in_order(result, destinations, ops, hook):
 # --- flattening for the eager tf.function ----------------------------------------------
 
 
+def _component_tensors(component):
+  """The tensors a component is made of: itself, or an IndexedSlices' parts."""
+  if isinstance(component, tf.IndexedSlices):
+    parts = [component.values, component.indices]
+    if component.dense_shape is not None:
+      parts.append(component.dense_shape)
+    return parts
+  return [component]
+
+
 def _flatten_items(items):
   """The tensors of `items` as one flat list, and a hashable signature to rebuild them."""
   flat = []
@@ -409,12 +419,7 @@ def _flatten_items(items):
   for value, destinations in items:
     components = []
     for device, component in zip(value.devices, value.values):
-      if isinstance(component, tf.IndexedSlices):
-        parts = [component.values, component.indices]
-        if component.dense_shape is not None:
-          parts.append(component.dense_shape)
-      else:
-        parts = [component]
+      parts = _component_tensors(component)
       flat.extend(parts)
       components.append((device, isinstance(component, tf.IndexedSlices),
                          tuple((p.dtype, tuple(p.shape)) for p in parts)))
@@ -441,12 +446,7 @@ def _flatten_results(results, destinations_list):
   for result, destinations in zip(results, destinations_list):
     for device in destinations:
       component = result.get(device)
-      if isinstance(component, tf.IndexedSlices):
-        parts = [component.values, component.indices]
-        if component.dense_shape is not None:
-          parts.append(component.dense_shape)
-      else:
-        parts = [component]
+      parts = _component_tensors(component)
       outputs.extend(parts)
       kinds.append(len(parts) if isinstance(component, tf.IndexedSlices) else 0)
   return outputs, kinds

@@ -152,24 +152,7 @@ class MirroredStrategy(DistributionStrategy):
     runner = _tower_threads.TowerRunner(self, self._devices, self._tower_timeout)
     return _wrapped.regroup(runner.run(fn, args, kwargs), self._devices)
 
-  # --- reductions and updates ---
-
-  def _reduce(self, aggregation, value, destinations):
-    return self._get_cross_tower_ops().reduce(aggregation, value, destinations or self._devices)
-
-  def _batch_reduce(self, aggregation, value_destination_pairs):
-    pairs = [(v, d or self._devices) for v, d in value_destination_pairs]
-    return self._get_cross_tower_ops().batch_reduce(aggregation, pairs)
-
-  def _broadcast(self, tensor, destinations):
-    return self._get_cross_tower_ops().broadcast(tensor, destinations or self._devices)
-
-  def _update(self, var, fn, args, kwargs):
-    devices = _wrapped.devices_of(var)
-    return self._run_on_devices(devices, fn, args, kwargs, first_arg=var)
-
-  def _update_non_slot(self, colocate_with, fn, args, kwargs):
-    return self._run_on_devices(_wrapped.devices_of(list(colocate_with)), fn, args, kwargs)
+  # --- reductions and updates: the base class's, through _get_cross_tower_ops ---
 
   def _non_slot_devices(self, var_list):
     return self._devices

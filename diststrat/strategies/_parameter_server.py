@@ -153,30 +153,14 @@ class ParameterServerStrategy(DistributionStrategy):
     runner = _tower_threads.TowerRunner(self, self._worker_devices_tuple, self._tower_timeout)
     return _wrapped.regroup(runner.run(fn, args, kwargs), self._worker_devices_tuple)
 
-  # --- reductions and updates ---
+  # --- reductions and updates: the base class's, through _get_cross_tower_ops ---
 
-  def _get_reducer(self):
+  def _get_cross_tower_ops(self):
+    # Reduce on the first destination: a variable's own device when reducing onto it.
     if self._reducer is None:
       from diststrat import cross_tower_ops  # pylint: disable=g-import-not-at-top
-      self._reducer = cross_tower_ops.ReductionToOneDevice()  # On the first destination.
+      self._reducer = cross_tower_ops.ReductionToOneDevice()
     return self._reducer
-
-  def _reduce(self, aggregation, value, destinations):
-    return self._get_reducer().reduce(aggregation, value,
-                                      destinations or self._worker_devices_tuple)
-
-  def _batch_reduce(self, aggregation, value_destination_pairs):
-    pairs = [(v, d or self._worker_devices_tuple) for v, d in value_destination_pairs]
-    return self._get_reducer().batch_reduce(aggregation, pairs)
-
-  def _broadcast(self, tensor, destinations):
-    return self._get_reducer().broadcast(tensor, destinations or self._worker_devices_tuple)
-
-  def _update(self, var, fn, args, kwargs):
-    return self._run_on_devices(_wrapped.devices_of(var), fn, args, kwargs, first_arg=var)
-
-  def _update_non_slot(self, colocate_with, fn, args, kwargs):
-    return self._run_on_devices(_wrapped.devices_of(colocate_with), fn, args, kwargs)
 
   def _non_slot_devices(self, var_list):
     return min(var_list, key=lambda v: v.name)

@@ -1,0 +1,482 @@
+"""diststrat's MirroredStrategy against tf.distribute.MirroredStrategy, in one run.
+
+Measures, side by side in one process and interleaved in alternating blocks (this
+machine drifts up to 2x between runs, so only same-run ratios mean anything):
+
+  (a) training-step throughput of an MLP 784-1024-1024-10 (global batch 256) and a small
+      CNN (conv 32, conv 64, dense 10 on 28x28x1, global batch 128), plain SGD, on 1, 2
+      and 4 towers, the whole step in one tf.function;
+  (b) first-call time (trace + first run) of the same steps;
+  (c) batch_reduce of 1, 16 and 64 MiB split into 50 float32 tensors on 4 devices, every
+      algorithm, in GB/s (bytes of one tower's values / time);
+  (d) peak memory (resident set) of a 4-tower MLP training run, one fresh process per
+      contender.
+
+Both libraries run the same algorithm: per-tower gradients, a sum across towers onto
+each variable, `var -= lr * grad` on every copy. tf.distribute is only ever the peer
+here; diststrat never uses it.
+
+Usage:
+  python benchmarks/mirrored_benchmark.py --out benchmarks/results/mirrored.json
+  python benchmarks/mirrored_benchmark.py --quick   # a short smoke run
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+NUM_DEVICES = 4
+LR = 0.01
+
+
+def configure_devices():
+  gpus = tf.config.list_physical_devices("GPU")
+  if gpus:
+    return [d.name for d in tf.config.list_logical_devices("GPU")]
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES)
+  return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+# --- models: plain variables and a loss, shared by every contender -------------------
+
+
+def mlp_spec():
+  return {"name": "mlp", "batch": 256, "input": (784,), "classes": 10,
+          "shapes": [(784, 1024), (1024,), (1024, 1024), (1024,), (1024, 10), (10,)]}
+
+
+def cnn_spec():
+  return {"name": "cnn", "batch": 128, "input": (28, 28, 1), "classes": 10,
+          "shapes": [(3, 3, 1, 32), (32,), (3, 3, 32, 64), (64,), (24 * 24 * 64, 10), (10,)]}
+
+
+def initial_values(spec, seed=0):
+  rng = np.random.default_rng(seed)
+  values = []
+  for shape in spec["shapes"]:
+    fan_in = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    scale = np.sqrt(2.0 / fan_in) if len(shape) > 1 else 0.0
+    values.append((rng.standard_normal(shape) * scale).astype(np.float32))
+  return values
+
+
+def forward(spec, variables, x):
+  if spec["name"] == "mlp":
+    w1, b1, w2, b2, w3, b3 = variables
+    h = tf.nn.relu(x @ w1 + b1)
+    h = tf.nn.relu(h @ w2 + b2)
+    return h @ w3 + b3
+  k1, c1, k2, c2, w, b = variables
+  h = tf.nn.relu(tf.nn.conv2d(x, k1, 1, "VALID") + c1)
+  h = tf.nn.relu(tf.nn.conv2d(h, k2, 1, "VALID") + c2)
+  return tf.reshape(h, [tf.shape(h)[0], -1]) @ w + b
+
+
+def loss_fn(spec, variables, x, y, global_batch):
+  logits = forward(spec, variables, x)
+  losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+  return tf.reduce_sum(losses) / global_batch
+
+
+def make_data(spec, seed=1):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((spec["batch"],) + spec["input"]).astype(np.float32)
+  y = rng.integers(0, spec["classes"], spec["batch"]).astype(np.int32)
+  return x, y
+
+
+# --- contenders: each returns (step function, its arguments) --------------------------
+
+
+def build_none(spec, devices):
+  """No strategy: one device, the whole global batch."""
+  with tf.device(devices[0]):
+    variables = [tf.Variable(v) for v in initial_values(spec)]
+    x, y = (tf.constant(a) for a in make_data(spec))
+
+  @tf.function
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(spec, variables, x, y, spec["batch"])
+    for v, g in zip(variables, tape.gradient(loss, variables)):
+      v.assign_sub(LR * g)
+    return loss
+
+  return step, (x, y)
+
+
+def build_diststrat(spec, devices, ops_name):
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  ops = {
+      "default": None,
+      "one_device": lambda: ds.cross_tower_ops.ReductionToOneDevice(),
+      "naive": lambda: ds.cross_tower_ops.AllReduceCrossTowerOps("naive"),
+      "hierarchical_copy": lambda: ds.cross_tower_ops.AllReduceCrossTowerOps("hierarchical_copy"),
+      "collective": lambda: ds.cross_tower_ops.AllReduceCrossTowerOps("collective"),
+  }[ops_name]
+  s = ds.MirroredStrategy(devices, cross_tower_ops=ops() if ops else None)
+  n = len(devices)
+  with s.scope():
+    variables = [tf.Variable(v) for v in initial_values(spec)]
+    opt = ds.optimizers.GradientDescent(LR, loss_reduction="sum")
+  x, y = make_data(spec)
+  parts = {}
+  for i, d in enumerate(s.worker_devices):
+    with tf.device(d):
+      parts[d] = (tf.constant(np.array_split(x, n)[i]), tf.constant(np.array_split(y, n)[i]))
+  px = ds.values.PerDevice({d: p[0] for d, p in parts.items()})
+  py = ds.values.PerDevice({d: p[1] for d, p in parts.items()})
+
+  def tower_fn(xp, yp):
+    return opt.minimize(lambda: loss_fn(spec, variables, xp, yp, spec["batch"]),
+                        var_list=variables)
+
+  @tf.function
+  def step(px, py):
+    with s.scope():
+      s.call_for_each_tower(tower_fn, px, py)
+
+  return step, (px, py)
+
+
+_TF_STRATEGIES = {}
+
+
+def tf_strategy(devices, ops_name):
+  """One tf.distribute strategy per (devices, ops): two collective strategies in one
+  process reuse the same collective keys and abort each other."""
+  key = (tuple(devices), ops_name)
+  if key not in _TF_STRATEGIES:
+    ops = {
+        "default": None,
+        "one_device": lambda: tf.distribute.ReductionToOneDevice(),
+        "hierarchical_copy": lambda: tf.distribute.HierarchicalCopyAllReduce(),
+    }[ops_name]
+    _TF_STRATEGIES[key] = tf.distribute.MirroredStrategy(
+        list(devices), cross_device_ops=ops() if ops else None)
+  return _TF_STRATEGIES[key]
+
+
+def warm_up(devices):
+  """Pays the process's one-time costs (imports, first trace, device set-up) before any
+  contender's first call is timed."""
+  import diststrat  # pylint: disable=g-import-not-at-top,unused-import
+  spec = {"name": "mlp", "batch": 8, "input": (4,), "classes": 2,
+          "shapes": [(4, 4), (4,), (4, 4), (4,), (4, 2), (2,)]}
+  for builder in (lambda: build_none(spec, devices),
+                  lambda: build_diststrat(spec, devices, "default"),
+                  lambda: build_tf_distribute(spec, devices, "default")):
+    step, args = builder()
+    step(*args)
+  sync()
+
+
+def build_tf_distribute(spec, devices, ops_name):
+  s = tf_strategy(devices, ops_name)
+  n = len(devices)
+  with s.scope():
+    variables = [tf.Variable(v) for v in initial_values(spec)]
+  x, y = make_data(spec)
+  xs, ys = np.array_split(x, n), np.array_split(y, n)
+  dist = s.experimental_distribute_values_from_function(
+      lambda ctx: (tf.constant(xs[ctx.replica_id_in_sync_group]),
+                   tf.constant(ys[ctx.replica_id_in_sync_group])))
+
+  def apply(strategy, grads):
+    reduced = strategy.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.SUM, [(g, v) for g, v in zip(grads, variables)])
+    for v, g in zip(variables, reduced):
+      strategy.extended.update(v, lambda var, gc: var.assign_sub(LR * gc), args=(g,))
+
+  def replica_fn(batch):
+    xp, yp = batch
+    with tf.GradientTape() as tape:
+      loss = loss_fn(spec, variables, xp, yp, spec["batch"])
+    grads = tape.gradient(loss, variables)
+    tf.distribute.get_replica_context().merge_call(apply, args=(grads,))
+
+  @tf.function
+  def step(batch):
+    s.run(replica_fn, args=(batch,))
+
+  return step, (dist,)
+
+
+def contenders(devices, n, quick):
+  """(label, library, builder) for n towers."""
+  result = [("diststrat", "diststrat", lambda spec: build_diststrat(spec, devices[:n], "default"))]
+  if n > 1 and not quick:
+    result.append(("diststrat one_device", "diststrat",
+                   lambda spec: build_diststrat(spec, devices[:n], "one_device")))
+  tf_ops = ["default", "one_device"] if quick else ["default", "one_device", "hierarchical_copy"]
+  if n == 1:
+    tf_ops = ["default"]
+  for name in tf_ops:
+    result.append((f"tf.distribute {name}", "tf.distribute",
+                   lambda spec, name=name: build_tf_distribute(spec, devices[:n], name)))
+  result.append(("no strategy (1 device)", "none", lambda spec: build_none(spec, devices)))
+  return result
+
+
+# --- measurement ----------------------------------------------------------------------
+
+
+def timed(fn, args):
+  start = time.perf_counter()
+  out = fn(*args)
+  if out is not None:
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
+  return time.perf_counter() - start
+
+
+def sync():
+  # Ops are asynchronous on accelerators; a value read back waits for the queue.
+  tf.constant(0.0).numpy()
+
+
+def run_throughput(spec, devices, n, rounds, steps_per_block, quick):
+  entries = []
+  for label, library, builder in contenders(devices, n, quick):
+    start = time.perf_counter()
+    step, args = builder(spec)
+    step(*args)
+    sync()
+    first_call = time.perf_counter() - start
+    entries.append({"label": label, "library": library, "step": step, "args": args,
+                    "first_call_s": first_call, "examples_per_s": []})
+  for entry in entries:  # Warm up every contender before timing any.
+    for _ in range(3):
+      entry["step"](*entry["args"])
+    sync()
+  for r in range(rounds):
+    order = entries if r % 2 == 0 else list(reversed(entries))
+    for entry in order:
+      start = time.perf_counter()
+      for _ in range(steps_per_block):
+        entry["step"](*entry["args"])
+      sync()
+      elapsed = time.perf_counter() - start
+      entry["examples_per_s"].append(steps_per_block * spec["batch"] / elapsed)
+  for entry in entries:
+    del entry["step"], entry["args"]
+  return entries
+
+
+def reduce_contenders(devices):
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  ours = {
+      "diststrat one_device": ds.cross_tower_ops.ReductionToOneDevice(),
+      "diststrat naive": ds.cross_tower_ops.AllReduceCrossTowerOps("naive"),
+      "diststrat hierarchical_copy": ds.cross_tower_ops.AllReduceCrossTowerOps("hierarchical_copy"),
+      "diststrat collective": ds.cross_tower_ops.AllReduceCrossTowerOps("collective"),
+      "diststrat naive num_packs=2": ds.cross_tower_ops.AllReduceCrossTowerOps("naive", num_packs=2),
+  }
+  theirs = {
+      "tf.distribute one_device": tf.distribute.ReductionToOneDevice(),
+      "tf.distribute hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce(),
+      "tf.distribute default (collective)": None,
+  }
+  return ours, theirs
+
+
+def run_batch_reduce(devices, sizes_mib, rounds):
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  ours, theirs = reduce_contenders(devices)
+  results = []
+  for size in sizes_mib:
+    elements = size * 2**20 // 4 // 50
+    rng = np.random.default_rng(size)
+    host = [rng.standard_normal(elements).astype(np.float32) for _ in range(50)]
+    entries = []
+    per_device = []
+    for t in range(50):
+      comps = {}
+      for d in devices:
+        with tf.device(d):
+          comps[d] = tf.constant(host[t])
+      per_device.append(comps)
+    for label, ops in ours.items():
+      values = [ds.values.PerDevice(c) for c in per_device]
+
+      @tf.function
+      def run(ops=ops, values=values):
+        out = ops.batch_reduce("sum", [(v, None) for v in values])
+        return [m.values[0] for m in out]
+      entries.append({"label": label, "library": "diststrat", "fn": run})
+    default_tf = tf_strategy(devices, "default")
+    dist = [default_tf.experimental_distribute_values_from_function(
+        lambda ctx, c=c: c[devices[ctx.replica_id_in_sync_group]]) for c in per_device]
+    for label, ops in theirs.items():
+      ops = ops or default_tf.extended._cross_device_ops  # pylint: disable=protected-access
+
+      @tf.function
+      def run_tf(ops=ops):
+        out = ops.batch_reduce(tf.distribute.ReduceOp.SUM, [(v, v) for v in dist])
+        return [m.values[0] for m in out]
+      entries.append({"label": label, "library": "tf.distribute", "fn": run_tf})
+    for entry in entries:
+      entry["fn"]()
+      entry["fn"]()
+      entry["gb_per_s"] = []
+    for r in range(rounds):
+      order = entries if r % 2 == 0 else list(reversed(entries))
+      for entry in order:
+        elapsed = timed(entry["fn"], ())
+        entry["gb_per_s"].append(size * 2**20 / elapsed / 1e9)
+    for entry in entries:
+      del entry["fn"]
+      entry["size_mib"] = size
+    results.extend(entries)
+  return results
+
+
+def peak_memory(library, steps):
+  """Peak RSS (MiB) of a fresh process training the MLP on 4 towers with `library`."""
+  code = (
+      "import sys, resource; sys.path.insert(0, %r)\n"
+      "import mirrored_benchmark as b\n"
+      "devices = b.configure_devices()\n"
+      "spec = b.mlp_spec()\n"
+      "step, args = (b.build_diststrat(spec, devices, 'default') if %r == 'diststrat' else\n"
+      "              b.build_tf_distribute(spec, devices, 'one_device'))\n"
+      "for _ in range(%d): step(*args)\n"
+      "b.sync()\n"
+      "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)\n"
+  ) % (os.path.dirname(os.path.abspath(__file__)), library, steps)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=600, check=True)
+  return float(out.stdout.strip().splitlines()[-1])
+
+
+def summarize(values):
+  values = sorted(values)
+  return {"median": statistics.median(values), "min": values[0], "max": values[-1]}
+
+
+def run_group(group, quick, rounds):
+  """Runs one measurement group in this process; returns its entries.
+
+  tf.distribute keeps one collective group per process (a second MirroredStrategy over
+  other devices aborts the first), so each group runs in a fresh process: diststrat and
+  tf.distribute are still measured side by side, interleaved, inside it.
+  """
+  devices = configure_devices()
+  if group == "batch_reduce":
+    warm_up(devices)
+    entries = run_batch_reduce(devices, [1, 16] if quick else [1, 16, 64], rounds)
+    for e in entries:
+      e["throughput"] = summarize(e.pop("gb_per_s"))
+    return entries
+  model, n = group.split(":")
+  n = int(n)
+  spec = mlp_spec() if model == "mlp" else cnn_spec()
+  warm_up(devices[:n])
+  steps = 3 if quick else (10 if model == "mlp" else 4)
+  entries = run_throughput(spec, devices, n, rounds, steps, quick)
+  for e in entries:
+    e.update(model=model, towers=n)
+    e["throughput"] = summarize(e.pop("examples_per_s"))
+  return entries
+
+
+def run_in_subprocess(group, quick, rounds):
+  cmd = [sys.executable, os.path.abspath(__file__), "--group", group, "--rounds", str(rounds)]
+  if quick:
+    cmd.append("--quick")
+  out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+  if out.returncode != 0:
+    raise RuntimeError(f"benchmark group {group} failed:\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="benchmarks/results/mirrored.json")
+  parser.add_argument("--quick", action="store_true", help="a short smoke run")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--group", default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  rounds = args.rounds or (2 if args.quick else 7)
+  if args.group:
+    print(json.dumps(run_group(args.group, args.quick, rounds)))
+    return
+  report = {"tensorflow": tf.__version__, "rounds": rounds, "command": " ".join(sys.argv),
+            "throughput": [], "batch_reduce": [], "memory": {}}
+  towers = [1, 4] if args.quick else [1, 2, 4]
+  for model in (["mlp"] if args.quick else ["mlp", "cnn"]):
+    for n in towers:
+      entries = run_in_subprocess(f"{model}:{n}", args.quick, rounds)
+      report["throughput"].extend(entries)
+      print_throughput(model, n, entries)
+  report["batch_reduce"] = run_in_subprocess("batch_reduce", args.quick, rounds)
+  print_batch_reduce(report["batch_reduce"])
+  if not args.quick:
+    for library in ("diststrat", "tf.distribute"):
+      report["memory"][library] = peak_memory(library, 20)
+    print_memory(report["memory"])
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(report, f, indent=2)
+  print(f"\nJSON written to {args.out}")
+
+
+def _best_tf(entries, key="throughput"):
+  tf_entries = [e for e in entries if e["library"] == "tf.distribute"]
+  return max(tf_entries, key=lambda e: e[key]["median"]) if tf_entries else None
+
+
+def print_throughput(model, n, entries):
+  best_tf = _best_tf(entries)
+  none = next(e for e in entries if e["library"] == "none")
+  print(f"\n### {model}, {n} tower(s): examples/s (median, min-max over blocks)\n")
+  print("| contender | examples/s | vs best tf.distribute | vs no strategy | first call (s) | "
+        "first call vs tf.distribute |")
+  print("|---|---|---|---|---|---|")
+  for e in entries:
+    t = e["throughput"]
+    ratio_tf = t["median"] / best_tf["throughput"]["median"] if best_tf else float("nan")
+    ratio_none = t["median"] / none["throughput"]["median"]
+    first_tf = min(x["first_call_s"] for x in entries if x["library"] == "tf.distribute")
+    print(f"| {e['label']} | {t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | "
+          f"{ratio_tf:.2f}x | {ratio_none:.2f}x | {e['first_call_s']:.2f} | "
+          f"{e['first_call_s'] / first_tf:.2f}x |")
+  sys.stdout.flush()
+
+
+def print_batch_reduce(entries):
+  for size in sorted({e["size_mib"] for e in entries}):
+    rows = [e for e in entries if e["size_mib"] == size]
+    best_tf = _best_tf(rows)
+    print(f"\n### batch_reduce of {size} MiB in 50 float32 tensors, {NUM_DEVICES} devices: "
+          "GB/s per tower (median, min-max)\n")
+    print("| algorithm | GB/s | vs best tf.distribute |")
+    print("|---|---|---|")
+    for e in rows:
+      t = e["throughput"]
+      print(f"| {e['label']} | {t['median']:.2f} ({t['min']:.2f}-{t['max']:.2f}) | "
+            f"{t['median'] / best_tf['throughput']['median']:.2f}x |")
+  sys.stdout.flush()
+
+
+def print_memory(memory):
+  print("\n### peak memory of 4-tower MLP training (fresh process each)\n")
+  print("| library | peak RSS (MiB) | vs tf.distribute |")
+  print("|---|---|---|")
+  for library, mib in memory.items():
+    print(f"| {library} | {mib:.0f} | {mib / memory['tf.distribute']:.2f}x |")
+
+
+if __name__ == "__main__":
+  main()
