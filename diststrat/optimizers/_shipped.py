@@ -5,12 +5,25 @@ from diststrat.optimizers._mixin import DistributedOptimizerMixin
 from diststrat.optimizers._optimizer import Optimizer
 
 
-def _hyper(value, dtype):
-  value = value() if callable(value) else value
-  return tf.cast(value, dtype)
+class _HyperMixin:
+  """Converts hyperparameters to tensors once per apply, per dtype (not per variable)."""
+
+  def _prepare(self):
+    self._state.hyper_cache = {}  # Plain state: tf.Module must not track these tensors.
+
+  def _hyper(self, name, dtype):
+    key = (name, dtype)
+    cache = getattr(self._state, "hyper_cache", None)
+    if cache is None:
+      cache = self._state.hyper_cache = {}
+    if key not in cache:
+      value = getattr(self, "_" + name)
+      value = value() if callable(value) else value
+      cache[key] = tf.cast(value, dtype)
+    return cache[key]
 
 
-class GradientDescent(DistributedOptimizerMixin, Optimizer):
+class GradientDescent(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   """`var -= learning_rate * grad`.
 
   Example:
@@ -26,14 +39,14 @@ class GradientDescent(DistributedOptimizerMixin, Optimizer):
     self._learning_rate = learning_rate
 
   def _apply_dense(self, grad, var):
-    return var.assign_sub(_hyper(self._learning_rate, var.dtype) * grad, read_value=False)
+    return var.assign_sub(self._hyper('learning_rate', var.dtype) * grad, read_value=False)
 
   def _apply_sparse(self, grad, var):
-    lr = _hyper(self._learning_rate, var.dtype)
+    lr = self._hyper('learning_rate', var.dtype)
     return var.scatter_sub(tf.IndexedSlices(lr * grad.values, grad.indices, grad.dense_shape))
 
 
-class Momentum(DistributedOptimizerMixin, Optimizer):
+class Momentum(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   """`accum = momentum * accum + grad; var -= learning_rate * accum`.
 
   With `use_nesterov=True`: `var -= learning_rate * (grad + momentum * accum)`. The
@@ -52,8 +65,8 @@ class Momentum(DistributedOptimizerMixin, Optimizer):
       self._zeros_slot(var, "momentum")
 
   def _apply_dense(self, grad, var):
-    lr = _hyper(self._learning_rate, var.dtype)
-    mu = _hyper(self._momentum, var.dtype)
+    lr = self._hyper('learning_rate', var.dtype)
+    mu = self._hyper('momentum', var.dtype)
     accum = self.get_slot(var, "momentum")
     new_accum = mu * accum + grad
     accum.assign(new_accum, read_value=False)
@@ -62,8 +75,8 @@ class Momentum(DistributedOptimizerMixin, Optimizer):
 
   def _apply_sparse(self, grad, var):
     grad = self._deduplicate(grad)
-    lr = _hyper(self._learning_rate, var.dtype)
-    mu = _hyper(self._momentum, var.dtype)
+    lr = self._hyper('learning_rate', var.dtype)
+    mu = self._hyper('momentum', var.dtype)
     accum = self.get_slot(var, "momentum")
     new_rows = mu * tf.gather(accum, grad.indices) + grad.values
     accum.scatter_update(tf.IndexedSlices(new_rows, grad.indices))
@@ -71,7 +84,7 @@ class Momentum(DistributedOptimizerMixin, Optimizer):
     return var.scatter_sub(tf.IndexedSlices(lr * step, grad.indices))
 
 
-class Adam(DistributedOptimizerMixin, Optimizer):
+class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   """Adam (Kingma & Ba, 2015), with the bias correction folded into the step size.
 
   `m = beta1 * m + (1 - beta1) * grad`, `v = beta2 * v + (1 - beta2) * grad**2`,
@@ -100,27 +113,27 @@ class Adam(DistributedOptimizerMixin, Optimizer):
   def _step_size(self, dtype):
     beta1_power = tf.cast(self._get_non_slot_variable("beta1_power"), dtype)
     beta2_power = tf.cast(self._get_non_slot_variable("beta2_power"), dtype)
-    return _hyper(self._learning_rate, dtype) * tf.sqrt(1 - beta2_power) / (1 - beta1_power)
+    return self._hyper('learning_rate', dtype) * tf.sqrt(1 - beta2_power) / (1 - beta1_power)
 
   def _apply_dense(self, grad, var):
-    b1, b2 = _hyper(self._beta1, var.dtype), _hyper(self._beta2, var.dtype)
+    b1, b2 = self._hyper('beta1', var.dtype), self._hyper('beta2', var.dtype)
     m, v = self.get_slot(var, "m"), self.get_slot(var, "v")
     new_m = b1 * m + (1 - b1) * grad
     new_v = b2 * v + (1 - b2) * tf.square(grad)
     m.assign(new_m, read_value=False)
     v.assign(new_v, read_value=False)
-    step = self._step_size(var.dtype) * new_m / (tf.sqrt(new_v) + _hyper(self._epsilon, var.dtype))
+    step = self._step_size(var.dtype) * new_m / (tf.sqrt(new_v) + self._hyper('epsilon', var.dtype))
     return var.assign_sub(step, read_value=False)
 
   def _apply_sparse(self, grad, var):
     grad = self._deduplicate(grad)
-    b1, b2 = _hyper(self._beta1, var.dtype), _hyper(self._beta2, var.dtype)
+    b1, b2 = self._hyper('beta1', var.dtype), self._hyper('beta2', var.dtype)
     m, v = self.get_slot(var, "m"), self.get_slot(var, "v")
     m.assign(b1 * m, read_value=False)
     m.scatter_add(tf.IndexedSlices((1 - b1) * grad.values, grad.indices))
     v.assign(b2 * v, read_value=False)
     v.scatter_add(tf.IndexedSlices((1 - b2) * tf.square(grad.values), grad.indices))
-    step = self._step_size(var.dtype) * m / (tf.sqrt(v) + _hyper(self._epsilon, var.dtype))
+    step = self._step_size(var.dtype) * m / (tf.sqrt(v) + self._hyper('epsilon', var.dtype))
     return var.assign_sub(step, read_value=False)
 
   def _finish(self, update_ops, name):
