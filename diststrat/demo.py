@@ -1,0 +1,317 @@
+"""The diststrat demo: train a digits classifier on several devices, then on one.
+
+`make demo` (or `python -m diststrat.demo`, or the `diststrat-demo` script) trains a small
+Keras 3 MLP on scikit-learn's bundled 8x8 digits with `MirroredStrategy`: one tower per
+GPU, or, with no GPU, the CPU split into `--towers` logical devices. Each step runs in one
+`tf.function` that calls `strategy.call_for_each_tower`; every tower computes the loss of
+its part of the global batch and calls `optimizer.minimize`, which sums the towers'
+gradients and updates every copy of the variables. It then trains the same model on one
+device with no strategy and prints both results side by side. See docs/demo.md.
+
+Example:
+  python -m diststrat.demo --towers=2 --epochs=10 --reduction=naive
+"""
+
+import dataclasses
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+import keras
+import numpy as np
+from sklearn import datasets
+from sklearn import model_selection
+import tensorflow as tf
+import tqdm
+
+import diststrat as ds
+from diststrat import cross_tower_ops
+
+
+# --- choices: each is one small function, so a new one is one more entry ---
+
+
+def _mirrored_strategy(config, devices):
+  return ds.MirroredStrategy(devices, cross_tower_ops=REDUCTIONS[config.reduction]())
+
+
+def _default_strategy(config, devices):
+  del config, devices  # No strategy: TensorFlow places everything on its default device.
+  return ds.DefaultStrategy()
+
+
+STRATEGIES = {"mirrored": _mirrored_strategy, "default": _default_strategy}
+
+REDUCTIONS = {
+    "auto": lambda: None,  # The strategy's own choice for its devices.
+    "one_device": cross_tower_ops.ReductionToOneDevice,
+    "collective": lambda: cross_tower_ops.AllReduceCrossTowerOps(algorithm="collective"),
+    "hierarchical_copy": lambda: cross_tower_ops.AllReduceCrossTowerOps(
+        algorithm="hierarchical_copy"),
+    "naive": lambda: cross_tower_ops.AllReduceCrossTowerOps(algorithm="naive"),
+}
+
+# name -> (make optimizer from a learning rate, the default learning rate).
+OPTIMIZERS = {
+    "sgd": (ds.optimizers.GradientDescent, 0.5),
+    "momentum": (lambda lr: ds.optimizers.Momentum(lr, momentum=0.9), 0.05),
+    "adam": (ds.optimizers.Adam, 0.01),
+}
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("strategy", "mirrored", sorted(STRATEGIES), "How to distribute training.")
+flags.DEFINE_integer("towers", 4, "Towers on CPU: the CPU is split into this many logical "
+                     "devices. With GPUs: use at most this many of them.", lower_bound=1)
+flags.DEFINE_integer("epochs", 20, "Passes over the training examples.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 64, "Global batch size, split across the towers.",
+                     lower_bound=1)
+flags.DEFINE_enum("reduction", "auto", sorted(REDUCTIONS),
+                  "How the towers' gradients are summed (diststrat.cross_tower_ops); "
+                  "auto: the strategy's default for its devices.")
+flags.DEFINE_float("learning_rate", None,
+                   "Learning rate. Default: 0.01 for adam, 0.05 for momentum, 0.5 for sgd.")
+flags.DEFINE_enum("optimizer", "adam", sorted(OPTIMIZERS), "diststrat.optimizers to use.")
+flags.DEFINE_integer("seed", 0, "Seeds the held-out split, the shuffling and the weights.")
+flags.DEFINE_bool("compare", True, "Also train on one device with no strategy, and compare.")
+
+
+@dataclasses.dataclass
+class Config:
+  """One training run; the fields mirror the command-line flags."""
+  strategy: str = "mirrored"
+  towers: int = 4
+  epochs: int = 20
+  batch_size: int = 64
+  reduction: str = "auto"
+  learning_rate: float | None = None
+  optimizer: str = "adam"
+  seed: int = 0
+  progress: bool = False  # A tqdm progress bar on stderr.
+
+
+# --- devices ---
+
+
+def tower_devices(towers):
+  """The devices to run `towers` towers on: the local GPUs, else logical CPU devices.
+
+  With no GPU, the CPU is split into `towers` logical devices, which works only before
+  TensorFlow initializes its devices. If someone already configured or initialized them
+  (a test's conftest.py, an earlier call), the existing logical devices are used.
+
+  Raises:
+    ValueError: there are fewer usable devices than `towers`.
+  """
+  if tf.config.list_physical_devices("GPU"):
+    return [d.name for d in tf.config.list_logical_devices("GPU")][:towers]
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  if tf.config.get_logical_device_configuration(cpu) is None:
+    try:
+      tf.config.set_logical_device_configuration(
+          cpu, [tf.config.LogicalDeviceConfiguration()] * towers)
+    except RuntimeError:
+      pass  # TensorFlow's devices are already initialized: use them as they are.
+  cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+  if len(cpus) < towers:
+    raise ValueError(
+        f"{towers} towers need {towers} devices, but TensorFlow was initialized with "
+        f"{len(cpus)} logical CPU devices. Run the demo in a fresh process, or ask for "
+        f"--towers={len(cpus)} or fewer.")
+  return cpus[:towers]
+
+
+def short_name(device):
+  return device.rsplit("device:", 1)[-1]
+
+
+# --- data and model ---
+
+
+def load_data(seed):
+  """The 8x8 digits bundled with scikit-learn (no download): 80% train, 20% held out."""
+  x, y = datasets.load_digits(return_X_y=True)
+  x = (x / 16.0).astype(np.float32)  # Pixel values are 0..16.
+  return model_selection.train_test_split(x, y.astype(np.int32), test_size=0.2,
+                                          random_state=seed, stratify=y)
+
+
+def make_model():
+  return keras.Sequential([
+      keras.Input(shape=(64,)),
+      keras.layers.Dense(128, activation="relu"),
+      keras.layers.Dense(10),
+  ])
+
+
+# --- training ---
+
+
+def train(config):
+  """Trains and evaluates once, as `config` says.
+
+  Returns:
+    A dict of results: label, accuracy (on the held-out 20%), final_loss (the last
+    epoch's mean training loss), examples_per_second (timed from the end of the first
+    step, so tf.function tracing is excluded), wall_time and first_step_time (seconds),
+    steps, strategy (class name), devices, reduction (a description, or None),
+    copies (of each weight) and copies_max_difference.
+  """
+  x_train, x_test, y_train, y_test = load_data(config.seed)
+  no_strategy = config.strategy == "default"
+  devices = tower_devices(1 if no_strategy else config.towers)
+  strategy = STRATEGIES[config.strategy](config, devices)
+  make_optimizer, default_lr = OPTIMIZERS[config.optimizer]
+  steps_per_epoch = len(x_train) // config.batch_size
+  if steps_per_epoch == 0:
+    raise ValueError(f"--batch_size={config.batch_size} is larger than the "
+                     f"{len(x_train)} training examples.")
+  total_steps = steps_per_epoch * config.epochs
+
+  def dataset_fn():  # Global batches; each is split across the towers.
+    data = tf.data.Dataset.from_tensor_slices((x_train, y_train))
+    data = data.shuffle(len(x_train), seed=config.seed, reshuffle_each_iteration=True)
+    return data.batch(config.batch_size, drop_remainder=True).repeat(config.epochs)
+
+  keras.utils.set_random_seed(config.seed)  # The same initial weights in every run.
+  with strategy.scope():
+    model = make_model()  # Its variables are mirrored on every tower's device.
+    optimizer = make_optimizer(config.learning_rate or default_lr)
+    batches = iter(strategy.distribute_dataset(dataset_fn))
+
+  def tower_fn(images, labels):  # Runs once per tower, on that tower's part of the batch.
+    def loss_fn():
+      logits = model(images, training=True)
+      return tf.reduce_mean(
+          tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+    loss = loss_fn()
+    optimizer.minimize(loss_fn, var_list=model.trainable_variables)
+    return loss
+
+  @tf.function
+  def train_step():  # One whole step: next batch, all towers, gradients summed, update.
+    images, labels = batches.get_next()
+    per_tower_loss = strategy.call_for_each_tower(tower_fn, images, labels)
+    return strategy.unwrap(strategy.reduce("mean", per_tower_loss))[0]
+
+  label = "one device, no strategy" if no_strategy else \
+      f"{config.strategy}, {len(devices)} towers"
+  bar = tqdm.tqdm(total=total_steps, desc=f"{label:<23}", unit="step", file=sys.stderr,
+                  disable=not config.progress, dynamic_ncols=True)
+  start = time.perf_counter()
+  with strategy.scope():
+    for epoch in range(config.epochs):
+      epoch_loss = 0.0
+      for step in range(steps_per_epoch):
+        epoch_loss += float(train_step())
+        if epoch == 0 and step == 0:
+          first_step_done = time.perf_counter()  # Tracing is over: start the clock.
+        bar.set_postfix_str(f"epoch {epoch + 1}/{config.epochs}, "
+                            f"loss {epoch_loss / (step + 1):.4f}", refresh=False)
+        bar.update()
+    end = time.perf_counter()
+    copies = [strategy.unwrap(w.value) for w in model.trainable_variables]
+  bar.close()
+
+  predictions = np.argmax(model(x_test, training=False), axis=1)
+  timed_examples = (total_steps - 1) * config.batch_size
+  return {
+      "label": label,
+      "accuracy": float(np.mean(predictions == y_test)),
+      "final_loss": epoch_loss / steps_per_epoch,
+      "examples_per_second": timed_examples / (end - first_step_done) if timed_examples
+                             else float("nan"),
+      "wall_time": end - start,
+      "first_step_time": first_step_done - start,
+      "steps": total_steps,
+      "strategy": type(strategy).__name__,
+      "devices": devices,
+      "reduction": describe_reduction(strategy, config.reduction),
+      "copies": len(copies[0]),
+      "copies_max_difference": max(float(tf.reduce_max(tf.abs(c - cs[0])))
+                                   for cs in copies for c in cs),
+      "train_examples": len(x_train),
+      "test_examples": len(x_test),
+  }
+
+
+# --- the report ---
+
+
+def describe_reduction(strategy, flag):
+  """How `strategy` sums the towers' values, in words; None with no strategy."""
+  ops = getattr(strategy, "cross_tower_ops", None)
+  if ops is None:
+    return None
+  algorithm = getattr(ops, "algorithm", None)
+  words = f"{algorithm} all-reduce" if algorithm else "reduction to one device"
+  words += f" ({type(ops).__name__})"
+  return f"{words}, the default here" if flag == "auto" else words
+
+
+def format_report(config, result, baseline=None):
+  """The results as a few lines of text; `baseline` is the one-device run, if any."""
+  lr = config.learning_rate or OPTIMIZERS[config.optimizer][1]
+  runs = [result] + ([baseline] if baseline else [])
+  rows = [
+      ("", [r["label"] for r in runs]),
+      ("held-out accuracy", [f"{r['accuracy']:.1%}" for r in runs]),
+      ("final train loss", [f"{r['final_loss']:.4f}" for r in runs]),
+      ("examples/second *", [f"{r['examples_per_second']:,.0f}" for r in runs]),
+      ("wall time", [f"{r['wall_time']:.1f} s" for r in runs]),
+  ]
+  lines = [
+      "",
+      "diststrat demo: a 64-128-10 MLP learns scikit-learn's 8x8 digits",
+      f"  {result['train_examples']} training / {result['test_examples']} held-out images, "
+      f"{config.epochs} epochs x {result['steps'] // config.epochs} batches of "
+      f"{config.batch_size}, {config.optimizer} (learning rate {lr:g})",
+      "",
+  ]
+  lines += [(f"  {name:<20}" + "".join(f"{c:<27}" for c in cells)).rstrip()
+            for name, cells in rows]
+  lines.append("")
+  devices = result["devices"]
+  lines.append(f"  strategy   {result['strategy']} on "
+               f"{', '.join(short_name(d) for d in devices)}")
+  if result["reduction"]:
+    lines.append(f"  reduction  {result['reduction']}")
+  if result["copies"] > 1:
+    lines.append(f"  variables  {result['copies']} copies of each weight, one per device; "
+                 f"they differ by at most {result['copies_max_difference']:g}")
+  if baseline:
+    ratio = result["examples_per_second"] / baseline["examples_per_second"]
+    lines.append(f"  speed      {ratio:.2f}x the examples/second of one device")
+    if len(devices) > 1 and all("CPU" in d for d in devices):
+      lines.append(f"             (the {len(devices)} logical CPU devices share "
+                   f"{os.cpu_count()} cores: expect a speed-up only on GPUs)")
+  lines.append("  * timed after the first step, so tf.function tracing is excluded "
+               f"(first step: {result['first_step_time']:.1f} s)")
+  return "\n".join(lines) + "\n"
+
+
+# --- the command line ---
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}. Flags look like --towers=2.")
+  config = Config(strategy=FLAGS.strategy, towers=FLAGS.towers, epochs=FLAGS.epochs,
+                  batch_size=FLAGS.batch_size, reduction=FLAGS.reduction,
+                  learning_rate=FLAGS.learning_rate, optimizer=FLAGS.optimizer,
+                  seed=FLAGS.seed, progress=True)
+  result = train(config)
+  baseline = None
+  if FLAGS.compare and config.strategy != "default":
+    baseline = train(dataclasses.replace(config, strategy="default"))
+  sys.stdout.write(format_report(config, result, baseline))
+
+
+def run():
+  """The `diststrat-demo` console script."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()

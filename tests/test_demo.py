@@ -1,0 +1,56 @@
+"""The demo (diststrat/demo.py): runs from the command line, and learns the digits."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("sklearn")
+pytest.importorskip("tqdm")
+
+from diststrat import demo  # pylint: disable=g-import-not-at-top
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(180)
+def test_command_line_prints_the_report():
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  proc = subprocess.run(
+      [sys.executable, "-m", "diststrat.demo", "--epochs=2", "--towers=2",
+       "--reduction=naive"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = proc.stdout
+  assert "held-out accuracy" in report
+  assert "examples/second" in report
+  assert "mirrored, 2 towers" in report and "one device, no strategy" in report
+  assert "naive all-reduce" in report
+  assert "epoch 2/2" in proc.stderr  # The progress bar.
+
+
+@pytest.mark.timeout(120)
+def test_four_towers_and_one_tower_learn_the_digits():
+  # conftest.py already split the CPU into 4 logical devices: the demo uses them.
+  four = demo.train(demo.Config(towers=4, seed=1))
+  one = demo.train(demo.Config(towers=1, seed=1))
+  assert four["accuracy"] >= 0.95, four
+  assert one["accuracy"] >= 0.95, one
+  assert len(four["devices"]) == 4 and len(one["devices"]) == 1
+  assert four["copies"] == 4 and four["copies_max_difference"] == 0.0
+  # The same global batches and initial weights: the same training, to float32 rounding.
+  assert four["final_loss"] == pytest.approx(one["final_loss"], rel=1e-2, abs=1e-4)
+  report = demo.format_report(demo.Config(towers=4, seed=1), four, one)
+  assert "held-out accuracy" in report and "x the examples/second of one device" in report
+
+
+def test_more_towers_than_devices_says_how_to_fix_it():
+  with pytest.raises(ValueError, match=r"8 towers need 8 devices.*--towers=4 or fewer"):
+    demo.train(demo.Config(towers=8, epochs=1))
+
+
+def test_batch_larger_than_the_data_is_rejected():
+  with pytest.raises(ValueError, match=r"--batch_size=5000 is larger than the 1437"):
+    demo.train(demo.Config(towers=1, epochs=1, batch_size=5000))
