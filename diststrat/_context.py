@@ -30,6 +30,7 @@ import contextlib
 import threading
 import typing
 
+from diststrat._tf import tf
 from diststrat import _devices
 from diststrat import errors
 
@@ -206,6 +207,7 @@ class TowerContext:
       return _devices.current_device()
     return self._device
 
+  @tf.autograph.experimental.do_not_convert
   def merge_call(self, merge_fn, *args, **kwargs):
     """Runs `merge_fn(strategy, *args, **kwargs)` once, in cross-tower context.
 

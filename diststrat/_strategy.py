@@ -247,7 +247,7 @@ class DistributionStrategy:
   @cross_tower_method
   def unwrap(self, value):
     """The per-device components of `value`, as a list (`[value]` for a plain value)."""
-    return self._unwrap(value)
+    return self._unwrap(as_tf_variable(value))
 
   @cross_tower_method
   def group(self, value, name=None):

@@ -125,3 +125,24 @@ def test_per_tower_batches_feed_towers():
     devices = s.call_for_each_tower(lambda b: (b.device, ds.get_tower_context().device), batch)
   for got, want in zip(s.unwrap(devices[0]) if False else devices[0].values, devices[1].values):
     assert got == want
+
+
+def test_natural_loop_traces_once():
+  """`for batch in dataset: step(batch)` with a tf.function step: one trace, not one per batch."""
+  s = ds.MirroredStrategy(CPUS)
+  with s.scope():
+    data = s.distribute_dataset(
+        lambda: tf.data.Dataset.range(48).map(lambda i: tf.cast(i, tf.float32)).batch(8))
+    total = tf.Variable(0.0)
+
+    @tf.function
+    def step(batch):
+      sums = s.call_for_each_tower(tf.reduce_sum, batch)
+      total.assign_add(s.reduce("sum", sums).primary)
+      return sums  # A PerDevice comes back out of the tf.function.
+
+    results = [step(batch) for batch in data]
+  assert step.experimental_get_tracing_count() == 1
+  assert float(total.numpy()) == sum(range(48))
+  assert isinstance(results[0], PerDevice) and results[0].devices == tuple(CPUS)
+  assert [float(x) for x in results[0].values] == [1.0, 5.0, 9.0, 13.0]

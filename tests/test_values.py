@@ -121,3 +121,24 @@ def test_select_device_leaves_plain_values():
   x = tf.constant(1.0)
   m = Mirrored({CPUS[0]: "m0", CPUS[1]: "m1"})
   assert select_device("/cpu:1", {"k": [x, m, None]}) == {"k": [x, "m1", None]}
+
+
+def test_tf_nest_sees_components_of_wrapped_values_not_variables():
+  m = Mirrored({CPUS[0]: tf.constant(1.0), CPUS[1]: tf.constant(1.0)})
+  doubled = tf.nest.map_structure(lambda t: t * 2, {"m": m})
+  assert isinstance(doubled["m"], Mirrored) and doubled["m"].devices == m.devices
+  assert [float(x) for x in doubled["m"].values] == [2.0, 2.0]
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    v = tf.Variable(1.0)
+  flat = tf.nest.flatten([v])  # A distributed variable is one leaf, not its copies.
+  assert len(flat) == 1 and flat[0] is v
+
+
+def test_unwrap_accepts_keras_variables():
+  keras = pytest.importorskip("keras")
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    assert len(s.unwrap(layer.kernel)) == 2

@@ -33,6 +33,7 @@ class DistributedOptimizerMixin:
         _context.get_distribution_strategy().num_towers
     return 1.0 / num_towers
 
+  @tf.autograph.experimental.do_not_convert
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """From a tower: merges the towers' gradients and applies them (see the class doc)."""
     grads_and_vars = list(grads_and_vars)
@@ -47,6 +48,7 @@ class DistributedOptimizerMixin:
           "optimizer._distributed_apply(strategy, grads_and_vars) with per-tower gradients.")
     return tower.merge_call(self._distributed_apply, grads_and_vars, global_step, name)
 
+  @tf.autograph.experimental.do_not_convert
   def _distributed_apply(self, distribution, grads_and_vars, global_step=None, name=None):
     """Sums per-tower gradients onto each variable and updates every copy of it."""
     pairs = self._check_pairs(grads_and_vars)

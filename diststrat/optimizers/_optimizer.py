@@ -102,6 +102,7 @@ class Optimizer(tf.Module):
   def _loss_scale(self):
     return 1.0
 
+  @tf.autograph.experimental.do_not_convert
   def compute_gradients(self, loss, var_list=None, tape=None):
     """Returns a list of (gradient, variable) pairs, without the None gradients.
 
@@ -134,6 +135,7 @@ class Optimizer(tf.Module):
         grads = [_scale(g, scale) for g in grads]
     return [(g, v) for g, v in zip(grads, var_list) if g is not None]
 
+  @tf.autograph.experimental.do_not_convert
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
     """Applies gradients to variables; increments `global_step` by one if given."""
     pairs = self._check_pairs(grads_and_vars)
@@ -147,6 +149,7 @@ class Optimizer(tf.Module):
         as_tf_variable(global_step).assign_add(tf.ones([], global_step.dtype))
     return finish
 
+  @tf.autograph.experimental.do_not_convert
   def build(self, var_list):
     """Creates the optimizer's state (slots, non-slot variables) for `var_list` now.
 
@@ -157,6 +160,7 @@ class Optimizer(tf.Module):
     self._create_state([as_tf_variable(v) for v in var_list],
                        _context.get_distribution_strategy())
 
+  @tf.autograph.experimental.do_not_convert
   def minimize(self, loss, var_list=None, global_step=None, name=None, tape=None):
     """`compute_gradients` then `apply_gradients`."""
     grads_and_vars = self.compute_gradients(loss, var_list=var_list, tape=tape)
@@ -232,6 +236,7 @@ class Optimizer(tf.Module):
     """The non-slot variable `name` (its copy on the update device inside an update)."""
     return _local(getattr(self, name))
 
+  @tf.autograph.experimental.do_not_convert
   def get_slot(self, var, name):
     """The slot `name` of `var`, or None. Inside `update()`, the update device's copy."""
     entry = self._state.slots.get(name, {}).get(id(_container(var)))

@@ -137,15 +137,19 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
 
   # --- reads ---
 
+  @tf.autograph.experimental.do_not_convert
   def value(self):
     return self._component().value()
 
+  @tf.autograph.experimental.do_not_convert
   def read_value(self):
     return self._component().read_value()
 
+  @tf.autograph.experimental.do_not_convert
   def sparse_read(self, indices, name=None):
     return self._component().sparse_read(indices, name=name)
 
+  @tf.autograph.experimental.do_not_convert
   def gather_nd(self, indices, name=None):
     return self._component().gather_nd(indices, name=name)
 
@@ -174,12 +178,15 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
 
   # --- writes: subclasses decide ---
 
+  @tf.autograph.experimental.do_not_convert
   def assign(self, value, use_locking=False, name=None, read_value=True):
     return self._write("assign", value, read_value)
 
+  @tf.autograph.experimental.do_not_convert
   def assign_add(self, delta, use_locking=False, name=None, read_value=True):
     return self._write("assign_add", delta, read_value)
 
+  @tf.autograph.experimental.do_not_convert
   def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
     return self._write("assign_sub", delta, read_value)
 
@@ -226,7 +233,7 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     object_map[self] = object_map[self.primary]
 
 
-class MirroredVariable(DistributedVariable, _wrapped.Mirrored):
+class MirroredVariable(DistributedVariable):
   """A variable with one copy per device, kept equal.
 
   Reads in a tower give that tower's copy; in cross-tower context, the copy on the
@@ -234,6 +241,9 @@ class MirroredVariable(DistributedVariable, _wrapped.Mirrored):
   `assign*` writes every copy. In a tower, `assign*` needs an aggregation other than
   NONE: the towers' values are combined through `merge_call`, then every copy is
   written. Create one inside `MirroredStrategy.scope()` with `tf.Variable(...)`.
+
+  It is a `DistributedValues` (with `.devices`, `.values`, `.get()`) and a `tf.Variable`;
+  unlike a `Mirrored` value, tf.nest treats it as one leaf.
 
   Example:
     >>> import diststrat as ds, tensorflow as tf
@@ -243,6 +253,8 @@ class MirroredVariable(DistributedVariable, _wrapped.Mirrored):
     >>> type(v).__name__, float(v + 1.0)
     ('MirroredVariable', 2.0)
   """
+
+  _holds_copies = True
 
   def _write(self, method, value, read_value):
     if not _in_real_tower():

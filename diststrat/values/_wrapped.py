@@ -19,6 +19,8 @@ class DistributedValues:
     (2, 2, True)
   """
 
+  _holds_copies = False  # True when every component is a copy of one value.
+
   def __init__(self, index):
     if not isinstance(index, dict) or not index:
       raise ValueError(f"{type(self).__name__} takes a non-empty dict from device to value. "
@@ -63,7 +65,7 @@ class DistributedValues:
       key = _devices.canonicalize(device)
       if key in self._index:
         return self._index[key]
-    if not explicit and isinstance(self, Mirrored):
+    if not explicit and self._holds_copies:
       return self.primary  # Every copy holds the same value.
     raise ValueError(
         f"{type(self).__name__} has no value on device {device!r}"
@@ -85,12 +87,32 @@ class DistributedValues:
     return f"{type(self).__name__}({{{items}}})"
 
 
-class PerDevice(DistributedValues):
+class _NestedValues(DistributedValues):
+  """A wrapped value that tf.nest sees as a structure whose leaves are its components.
+
+  So `tf.function` takes and returns wrapped values of tensors (tracing once per
+  devices, shapes and dtypes, not once per Python object), and `tf.nest.map_structure`
+  maps over the components. Distributed variables are not structures: `tf.Module` and
+  Keras must see one variable, not its copies.
+  """
+
+  def __tf_flatten__(self):
+    return (type(self), self.devices), self.values
+
+  @classmethod
+  def __tf_unflatten__(cls, metadata, components):
+    wrapped_class, devices = metadata
+    return wrapped_class(dict(zip(devices, components)))
+
+
+class PerDevice(_NestedValues):
   """A wrapped value whose components may differ: one per tower (locality T)."""
 
 
-class Mirrored(DistributedValues):
+class Mirrored(_NestedValues):
   """A wrapped value whose components are copies of one value (localities M, V(v), N)."""
+
+  _holds_copies = True
 
 
 def _implicit_device():
