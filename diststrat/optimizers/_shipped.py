@@ -39,10 +39,12 @@ class GradientDescent(_HyperMixin, DistributedOptimizerMixin, Optimizer):
     self._learning_rate = learning_rate
 
   def _apply_dense(self, grad, var):
-    return var.assign_sub(self._hyper('learning_rate', var.dtype) * grad, read_value=False)
+    # The fused kernel updates in place: no temporary for lr * grad.
+    return tf.raw_ops.ResourceApplyGradientDescent(
+        var=var.handle, alpha=self._hyper("learning_rate", var.dtype), delta=grad)
 
   def _apply_sparse(self, grad, var):
-    lr = self._hyper('learning_rate', var.dtype)
+    lr = self._hyper("learning_rate", var.dtype)
     return var.scatter_sub(tf.IndexedSlices(lr * grad.values, grad.indices, grad.dense_shape))
 
 
@@ -65,18 +67,16 @@ class Momentum(_HyperMixin, DistributedOptimizerMixin, Optimizer):
       self._zeros_slot(var, "momentum")
 
   def _apply_dense(self, grad, var):
-    lr = self._hyper('learning_rate', var.dtype)
-    mu = self._hyper('momentum', var.dtype)
-    accum = self.get_slot(var, "momentum")
-    new_accum = mu * accum + grad
-    accum.assign(new_accum, read_value=False)
-    step = grad + mu * new_accum if self._use_nesterov else new_accum
-    return var.assign_sub(lr * step, read_value=False)
+    # One fused kernel: accum = mu * accum + grad; var -= lr * accum (or Nesterov's step).
+    return tf.raw_ops.ResourceApplyMomentum(
+        var=var.handle, accum=self.get_slot(var, "momentum").handle,
+        lr=self._hyper("learning_rate", var.dtype), grad=grad,
+        momentum=self._hyper("momentum", var.dtype), use_nesterov=self._use_nesterov)
 
   def _apply_sparse(self, grad, var):
     grad = self._deduplicate(grad)
-    lr = self._hyper('learning_rate', var.dtype)
-    mu = self._hyper('momentum', var.dtype)
+    lr = self._hyper("learning_rate", var.dtype)
+    mu = self._hyper("momentum", var.dtype)
     accum = self.get_slot(var, "momentum")
     new_rows = mu * tf.gather(accum, grad.indices) + grad.values
     accum.scatter_update(tf.IndexedSlices(new_rows, grad.indices))
@@ -113,27 +113,27 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   def _step_size(self, dtype):
     beta1_power = tf.cast(self._get_non_slot_variable("beta1_power"), dtype)
     beta2_power = tf.cast(self._get_non_slot_variable("beta2_power"), dtype)
-    return self._hyper('learning_rate', dtype) * tf.sqrt(1 - beta2_power) / (1 - beta1_power)
+    return self._hyper("learning_rate", dtype) * tf.sqrt(1 - beta2_power) / (1 - beta1_power)
 
   def _apply_dense(self, grad, var):
-    b1, b2 = self._hyper('beta1', var.dtype), self._hyper('beta2', var.dtype)
-    m, v = self.get_slot(var, "m"), self.get_slot(var, "v")
-    new_m = b1 * m + (1 - b1) * grad
-    new_v = b2 * v + (1 - b2) * tf.square(grad)
-    m.assign(new_m, read_value=False)
-    v.assign(new_v, read_value=False)
-    step = self._step_size(var.dtype) * new_m / (tf.sqrt(new_v) + self._hyper('epsilon', var.dtype))
-    return var.assign_sub(step, read_value=False)
+    # One fused kernel computes the same update as _apply_sparse's formulas, in place.
+    return tf.raw_ops.ResourceApplyAdam(
+        var=var.handle, m=self.get_slot(var, "m").handle, v=self.get_slot(var, "v").handle,
+        beta1_power=tf.cast(self._get_non_slot_variable("beta1_power"), var.dtype),
+        beta2_power=tf.cast(self._get_non_slot_variable("beta2_power"), var.dtype),
+        lr=self._hyper("learning_rate", var.dtype), beta1=self._hyper("beta1", var.dtype),
+        beta2=self._hyper("beta2", var.dtype), epsilon=self._hyper("epsilon", var.dtype),
+        grad=grad)
 
   def _apply_sparse(self, grad, var):
     grad = self._deduplicate(grad)
-    b1, b2 = self._hyper('beta1', var.dtype), self._hyper('beta2', var.dtype)
+    b1, b2 = self._hyper("beta1", var.dtype), self._hyper("beta2", var.dtype)
     m, v = self.get_slot(var, "m"), self.get_slot(var, "v")
     m.assign(b1 * m, read_value=False)
     m.scatter_add(tf.IndexedSlices((1 - b1) * grad.values, grad.indices))
     v.assign(b2 * v, read_value=False)
     v.scatter_add(tf.IndexedSlices((1 - b2) * tf.square(grad.values), grad.indices))
-    step = self._step_size(var.dtype) * m / (tf.sqrt(v) + self._hyper('epsilon', var.dtype))
+    step = self._step_size(var.dtype) * m / (tf.sqrt(v) + self._hyper("epsilon", var.dtype))
     return var.assign_sub(step, read_value=False)
 
   def _finish(self, update_ops, name):
