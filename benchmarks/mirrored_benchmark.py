@@ -169,16 +169,13 @@ def tf_strategy(devices, ops_name):
   return _TF_STRATEGIES[key]
 
 
-def warm_up(devices):
-  """Pays the process's one-time costs (imports, first trace, device set-up) before any
-  contender's first call is timed."""
-  import diststrat  # pylint: disable=g-import-not-at-top,unused-import
+def warm_up(devices, n, quick):
+  """Pays the process's one-time costs before any first call is timed: every contender
+  builds and runs a tiny model once (imports, first traces, kernels, device set-up)."""
   spec = {"name": "mlp", "batch": 8, "input": (4,), "classes": 2,
           "shapes": [(4, 4), (4,), (4, 4), (4,), (4, 2), (2,)]}
-  for builder in (lambda: build_none(spec, devices),
-                  lambda: build_diststrat(spec, devices, "default"),
-                  lambda: build_tf_distribute(spec, devices, "default")):
-    step, args = builder()
+  for _, _, builder in contenders(devices, n, quick):
+    step, args = builder(spec)
     step(*args)
   sync()
 
@@ -374,7 +371,7 @@ def run_group(group, quick, rounds):
   """
   devices = configure_devices()
   if group == "batch_reduce":
-    warm_up(devices)
+    warm_up(devices, len(devices), quick)
     entries = run_batch_reduce(devices, [1, 16] if quick else [1, 16, 64], rounds)
     for e in entries:
       e["throughput"] = summarize(e.pop("gb_per_s"))
@@ -382,7 +379,7 @@ def run_group(group, quick, rounds):
   model, n = group.split(":")
   n = int(n)
   spec = mlp_spec() if model == "mlp" else cnn_spec()
-  warm_up(devices[:n])
+  warm_up(devices, n, quick)
   steps = 3 if quick else (10 if model == "mlp" else 4)
   entries = run_throughput(spec, devices, n, rounds, steps, quick)
   for e in entries:
