@@ -181,12 +181,12 @@ def train(config):
     batches = iter(strategy.distribute_dataset(dataset_fn))
 
   def tower_fn(images, labels):  # Runs once per tower, on that tower's part of the batch.
-    def loss_fn():
+    with tf.GradientTape() as tape:
       logits = model(images, training=True)
-      return tf.reduce_mean(
+      loss = tf.reduce_mean(
           tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
-    loss = loss_fn()
-    optimizer.minimize(loss_fn, var_list=model.trainable_variables)
+    grads_and_vars = optimizer.compute_gradients(loss, model.trainable_variables, tape=tape)
+    optimizer.apply_gradients(grads_and_vars)  # merge_call: sum over towers, update copies.
     return loss
 
   @tf.function
