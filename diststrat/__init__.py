@@ -13,6 +13,7 @@ from diststrat import cross_tower_ops as cross_tower_ops
 from diststrat import optimizers as optimizers
 from diststrat import values as values
 from diststrat import strategies as strategies
+from diststrat import cluster as cluster
 from diststrat._context import TowerContext as TowerContext
 from diststrat._context import get_cross_tower_context as get_cross_tower_context
 from diststrat._context import get_distribution_strategy as get_distribution_strategy
@@ -42,4 +43,5 @@ __all__ = [
     "optimizers",
     "values",
     "strategies",
+    "cluster",
 ]

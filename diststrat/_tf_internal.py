@@ -88,3 +88,39 @@ def call_flat(concrete_function, tensors):
   if _has_fast_call(type(concrete_function)):
     return concrete_function._call_flat(list(tensors), concrete_function.captured_inputs)  # pylint: disable=protected-access
   return concrete_function(*tensors)
+
+
+# --- Variables shared across processes (cluster mode, diststrat/_shared_variables.py) ---
+#
+# Why: a variable that several worker processes share lives on a parameter-server task
+# under a shared name. The public `tf.Variable` always makes an anonymous resource in
+# eager mode (no process but its maker can find it), and there is no public class that
+# wraps an existing resource handle as a variable. `BaseResourceVariable` is that class:
+# subclassing it gives every `tf.Variable` behaviour (tapes, assign*, scatter_*,
+# checkpoints, tf.function captures) around a handle diststrat makes itself.
+
+import re  # pylint: disable=g-import-not-at-top,wrong-import-order,wrong-import-position
+
+from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top,wrong-import-position
+
+
+def copy_to_device(tensor, device):
+  """Copies an eager tensor to `device`, whatever its dtype (resource handles included).
+
+  Why: `tf.identity` of a resource handle runs where the resource lives, so it cannot
+  bring a parameter server's handle to the worker; the eager tensor's own copy can.
+  The copy of a handle holds only the resource's address (task, container, shared
+  name), so it stays valid when the task restarts or the worker reconnects.
+  """
+  try:
+    return tensor._copy_to_device(device)  # pylint: disable=protected-access
+  except RuntimeError as e:
+    # A failed remote copy raises a bare RuntimeError; give it the type an op's
+    # failure would have, so that callers see a lost connection as one.
+    if _CONNECTION_LOST.search(str(e)):
+      raise tf.errors.UnavailableError(None, None, str(e)) from e
+    raise
+
+
+_CONNECTION_LOST = re.compile(
+    r"failed to connect|Connection refused|Connection reset|Socket closed|UNAVAILABLE")

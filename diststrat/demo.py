@@ -42,7 +42,13 @@ def _default_strategy(config, devices):
   return ds.DefaultStrategy()
 
 
-STRATEGIES = {"mirrored": _mirrored_strategy, "default": _default_strategy}
+def _ps_strategy(config, devices):
+  del config, devices
+  raise AssertionError("--strategy=ps trains in a LocalCluster's worker: see train()")
+
+
+STRATEGIES = {"mirrored": _mirrored_strategy, "default": _default_strategy,
+              "ps": _ps_strategy}
 
 REDUCTIONS = {
     "auto": lambda: None,  # The strategy's own choice for its devices.
@@ -148,8 +154,11 @@ def make_model():
 # --- training ---
 
 
-def train(config):
-  """Trains and evaluates once, as `config` says.
+def train(config, strategy=None):
+  """Trains and evaluates once, as `config` says (with `strategy` if given).
+
+  With `--strategy=ps` it starts a `LocalCluster` (one parameter server, one worker
+  process) and runs this same function in the worker, with its ParameterServerStrategy.
 
   Returns:
     A dict of results: label, accuracy (on the held-out 20%), final_loss (the last
@@ -158,10 +167,15 @@ def train(config):
     steps, strategy (class name), devices, reduction (a description, or None),
     copies (of each weight) and copies_max_difference.
   """
+  if config.strategy == "ps" and strategy is None:
+    return _train_on_local_cluster(config)
   x_train, x_test, y_train, y_test = load_data(config.seed)
   no_strategy = config.strategy == "default"
-  devices = tower_devices(1 if no_strategy else config.towers)
-  strategy = STRATEGIES[config.strategy](config, devices)
+  if strategy is None:
+    devices = tower_devices(1 if no_strategy else config.towers)
+    strategy = STRATEGIES[config.strategy](config, devices)
+  else:
+    devices = list(strategy.worker_devices)
   make_optimizer, default_lr = OPTIMIZERS[config.optimizer]
   steps_per_epoch = len(x_train) // config.batch_size
   if steps_per_epoch == 0:
@@ -195,8 +209,10 @@ def train(config):
     per_tower_loss = strategy.call_for_each_tower(tower_fn, images, labels)
     return strategy.unwrap(strategy.reduce("mean", per_tower_loss))[0]
 
+  # A cluster's steps run under its watchdog (a dead or frozen PS becomes a ClusterError).
+  run_step = getattr(strategy, "run_step", lambda fn: fn())
   label = "one device, no strategy" if no_strategy else \
-      f"{config.strategy}, {len(devices)} towers"
+      f"{config.strategy}, {len(devices)} tower{'s' if len(devices) > 1 else ''}"
   bar = tqdm.tqdm(total=total_steps, desc=f"{label:<23}", unit="step", file=sys.stderr,
                   disable=not config.progress, dynamic_ncols=True)
   start = time.perf_counter()
@@ -204,7 +220,7 @@ def train(config):
     for epoch in range(config.epochs):
       epoch_loss = 0.0
       for step in range(steps_per_epoch):
-        epoch_loss += float(train_step())
+        epoch_loss += float(run_step(train_step))
         if epoch == 0 and step == 0:
           first_step_done = time.perf_counter()  # Tracing is over: start the clock.
         bar.set_postfix_str(f"epoch {epoch + 1}/{config.epochs}, "
@@ -234,6 +250,20 @@ def train(config):
       "train_examples": len(x_train),
       "test_examples": len(x_test),
   }
+
+
+def _train_on_local_cluster(config):
+  from diststrat import cluster  # pylint: disable=g-import-not-at-top
+  with cluster.LocalCluster(num_ps=1, num_workers=1) as local:
+    [result] = local.run_on_workers(_train_in_worker, config=dataclasses.asdict(config))
+  return result
+
+
+def _train_in_worker(strategy, config):
+  """Runs in the LocalCluster's worker process (module-level: it is pickled)."""
+  config = Config(**config)
+  config.progress = False  # The bar would come from another process.
+  return train(config, strategy=strategy)
 
 
 # --- the report ---

@@ -37,3 +37,6 @@ class ClusterError(RuntimeError):
   def __init__(self, message, task=None):
     super().__init__(message)
     self.task = task
+
+  def __reduce__(self):  # Keeps `task` when a worker process sends the error back.
+    return (type(self), (self.args[0] if self.args else "", self.task), self.__dict__)

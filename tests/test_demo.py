@@ -54,3 +54,11 @@ def test_more_towers_than_devices_says_how_to_fix_it():
 def test_batch_larger_than_the_data_is_rejected():
   with pytest.raises(ValueError, match=r"--batch_size=5000 is larger than the 1437"):
     demo.train(demo.Config(towers=1, epochs=1, batch_size=5000))
+
+
+def test_ps_strategy_trains_on_a_local_cluster():
+  """--strategy=ps: one PS process and one worker process; the same accuracy bar."""
+  result = demo.train(demo.Config(strategy="ps", seed=1))
+  assert result["strategy"] == "ParameterServerStrategy"
+  assert result["label"] == "ps, 1 tower"
+  assert result["accuracy"] >= 0.95

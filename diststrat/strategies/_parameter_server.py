@@ -1,13 +1,23 @@
 """`ParameterServerStrategy`: variables live once, on parameter devices; towers on workers."""
 
+import contextlib
+import itertools
+
 from diststrat._tf import tf
+from diststrat import _context
 from diststrat import _devices
+from diststrat import _tf_internal
+from diststrat import errors
 from diststrat._strategy import DistributionStrategy
 from diststrat.strategies import _mirrored
+from diststrat.strategies import _ps_cluster
 from diststrat.strategies import _tower_threads
 from diststrat.values import _wrapped
 
 _POLICIES = ("least_loaded", "round_robin")
+
+DEFAULT_STEP_TIMEOUT = 300.0
+"""Seconds a cluster step (`run_step`, connecting, creating a variable) may take."""
 
 
 class VariablePlacer:
@@ -65,16 +75,29 @@ class ParameterServerStrategy(DistributionStrategy):
   variable sums the towers' values on that variable's device, and `update` runs there,
   so an optimizer's update of a variable happens where the variable lives.
 
+  With `cluster_spec`, this process is one worker task of a cluster whose parameter
+  servers are TensorFlow gRPC servers (`tf.distribute.Server`) in their own processes:
+  the strategy connects to them, variables live on `/job:ps/replica:0/task:i/device:CPU:0`
+  and are shared by name with every other worker process (a variable that already
+  exists keeps its value), and towers run on this task's GPUs, else its CPU. Run each
+  training step with `run_step`: a dead or frozen PS task then raises `ClusterError`
+  naming it within `step_timeout`. See docs/parameter_server.md.
+
   Args:
     worker_devices: where towers run. Default: the local GPUs, else the local CPU
-      devices.
-    ps_devices: where variables live. Default: the first local CPU device.
-    cluster_spec: reserved for cluster mode (see docs/parameter_server.md).
+      devices (in cluster mode: this task's GPUs, else its CPU:0).
+    ps_devices: where variables live. Default: the first local CPU device. Not allowed
+      with `cluster_spec`, which names the PS tasks.
+    cluster_spec: {"ps": ["host:port", ...], "worker": ["host:port", ...]} (or a
+      `tf.train.ClusterSpec`) to run as one worker task of that cluster.
     task_type: this process's job in the cluster.
     task_id: this process's task index in its job.
     variable_placement: "least_loaded", "round_robin", or a callable
       `(name, shape, dtype) -> device`.
     tower_timeout: seconds a tower may run between pauses (see `MirroredStrategy`).
+    step_timeout: cluster mode: seconds a step run by `run_step` (or connecting, or
+      creating a variable) may take before it is abandoned with `ClusterError`; None
+      for no limit. Settable later as `strategy.step_timeout`.
 
   Example:
     >>> import diststrat as ds, tensorflow as tf
@@ -83,22 +106,51 @@ class ParameterServerStrategy(DistributionStrategy):
     ...   v = tf.Variable([1.0, 2.0])
     >>> type(v).__name__, v.device.endswith("CPU:0")
     ('ResourceVariable', True)
+
+  In a worker process of a cluster (see `diststrat.cluster.LocalCluster`)::
+
+      s = ds.ParameterServerStrategy(cluster_spec={"ps": ["127.0.0.1:2222"],
+                                                   "worker": ["127.0.0.1:2223"]},
+                                     task_type="worker", task_id=0, step_timeout=60)
+      with s.scope():
+        w = tf.Variable(tf.zeros([784, 10]))   # on /job:ps/replica:0/task:0/device:CPU:0
+      loss = s.run_step(train_step, batch)     # ClusterError if a PS task dies or freezes
   """
 
   def __init__(self, worker_devices=None, ps_devices=None, cluster_spec=None,
                task_type="worker", task_id=0, variable_placement="least_loaded",
-               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT):
+               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT,
+               step_timeout=DEFAULT_STEP_TIMEOUT):
     super().__init__()
     self._cluster_spec = cluster_spec
     self._task_type = task_type
     self._task_id = task_id
+    self._cluster = None
+    self._steps = itertools.count(1)
     if cluster_spec is not None:
-      raise NotImplementedError("cluster mode is not available yet")
-    if worker_devices is None:
-      worker_devices = _mirrored.local_devices()
-    if ps_devices is None:
-      ps_devices = (_devices.canonicalize(tf.config.list_logical_devices("CPU")[0].name),)
-    self._worker_devices_tuple = _devices.canonicalize_all(worker_devices)
+      if ps_devices is not None:
+        raise ValueError(
+            "ps_devices cannot be given with cluster_spec: in cluster mode the parameter "
+            "devices are the CPUs of the 'ps' tasks of the spec. Received: "
+            f"ps_devices={ps_devices!r}")
+      spec = _ps_cluster.normalize_cluster_spec(cluster_spec, task_type, task_id)
+      self._cluster_spec = spec
+      self._cluster = _ps_cluster.ClusterConnection(
+          spec, task_type, task_id, step_timeout,
+          name=f"ParameterServerStrategy of /job:{task_type}/replica:0/task:{task_id}")
+      ps_devices = self._cluster.ps_devices
+      if worker_devices is None:
+        worker_devices = self._cluster.local_devices()
+      self._worker_devices_tuple = self._cluster.canonicalize(worker_devices)
+    else:
+      if worker_devices is None:
+        worker_devices = _mirrored.local_devices()
+      if ps_devices is None:
+        ps_devices = (_devices.canonicalize(tf.config.list_logical_devices("CPU")[0].name),)
+      self._worker_devices_tuple = _devices.canonicalize_all(worker_devices)
+      if step_timeout is not None and not step_timeout > 0:
+        raise ValueError("step_timeout must be a positive number of seconds or None. "
+                         f"Received: step_timeout={step_timeout!r}")
     self._ps_devices = _devices.canonicalize_all(ps_devices)
     if not self._worker_devices_tuple or not self._ps_devices:
       raise ValueError("ParameterServerStrategy needs at least one worker device and one "
@@ -109,6 +161,9 @@ class ParameterServerStrategy(DistributionStrategy):
     self._reducer = None
 
   def __repr__(self):
+    if self._cluster is not None:
+      return (f"ParameterServerStrategy(task={self._cluster.local_task!r}, "
+              f"ps_tasks={list(self._cluster.ps_tasks)})")
     return (f"ParameterServerStrategy(worker_devices={list(self._worker_devices_tuple)}, "
             f"ps_devices={list(self._ps_devices)})")
 
@@ -117,11 +172,125 @@ class ParameterServerStrategy(DistributionStrategy):
     """The `VariablePlacer` (its `loads` shows the elements per parameter device)."""
     return self._placer
 
+  # --- cluster mode ---
+
+  @property
+  def cluster_spec(self):
+    """The cluster spec as {job: [address, ...]}, or None in one process."""
+    if self._cluster_spec is None:
+      return None
+    return {job: list(addresses) for job, addresses in self._cluster_spec.items()}
+
+  @property
+  def task_type(self):
+    return self._task_type
+
+  @property
+  def task_id(self):
+    return self._task_id
+
+  @property
+  def step_timeout(self):
+    """Cluster mode: seconds a `run_step` step may take before `ClusterError` (or None)."""
+    return self._cluster.guard.timeout if self._cluster is not None else None
+
+  @step_timeout.setter
+  def step_timeout(self, seconds):
+    if self._cluster is None:
+      raise ValueError("step_timeout applies to cluster mode only (this "
+                       f"{self!r} runs in one process).")
+    self._cluster.guard.timeout = seconds
+
+  def run_step(self, fn, *args, **kwargs):
+    """Runs one training step, `fn(*args, **kwargs)`, and returns its result.
+
+    In cluster mode the step runs under the watchdog: in a helper thread that the
+    calling thread waits for at most `step_timeout` seconds. A PS task that died or
+    restarted makes the step raise `diststrat.errors.ClusterError` naming the task
+    (within ~2 s: the failed op, then asking each task which one failed); a PS task
+    that stops answering (frozen) makes it raise `ClusterError` naming that task after
+    `step_timeout`, with a warning on the "diststrat" logger, and the blocked step is
+    abandoned. `fn` runs in this strategy's
+    scope if the caller is in it, under the caller's device and name scope. Call it
+    from the cross-tower context or outside any strategy; `fn` is typically a
+    `tf.function` that calls `call_for_each_tower`.
+
+    In one process (no cluster_spec), it is `fn(*args, **kwargs)`.
+
+    Example::
+
+        @tf.function
+        def step(x, y):
+          return strategy.call_for_each_tower(tower_fn, x, y)
+
+        for x, y in batches:
+          loss = strategy.run_step(step, x, y)
+
+    Raises:
+      ClusterError: a PS task died, restarted or froze during the step.
+      ContextError: called from a tower context.
+    """
+    mode = _context.current_mode()
+    if mode.tower_context is not None and not _context.in_default_context():
+      raise errors.ContextError(
+          f"run_step() of {self!r} was called in {_context.describe_current_context()}; "
+          "it runs a whole step, so call it from the cross-tower context or outside any "
+          "strategy, and call call_for_each_tower() inside the step.")
+    if self._cluster is None or self._cluster.guard.inside():
+      return fn(*args, **kwargs)
+    in_scope = mode.strategy is self and not _context.in_default_context()
+    device = _tf_internal.current_device()
+    name_scope = tf.get_current_name_scope()
+
+    def call():
+      with contextlib.ExitStack() as stack:
+        if in_scope:
+          stack.enter_context(self.scope())
+        if device:
+          stack.enter_context(tf.device(device))
+        if name_scope:
+          stack.enter_context(tf.name_scope(name_scope + "/"))
+        return fn(*args, **kwargs)
+
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return self._cluster.guard.run(call, f"step {next(self._steps)} ({name})")
+
+  def reconnect(self):
+    """Connects this worker to the cluster again, after a PS task was restarted.
+
+    A restarted PS task starts empty, and TensorFlow refuses to talk to it over the old
+    connection (steps raise `ClusterError` saying it restarted). After `reconnect()`,
+    the variables this strategy made (and `tf.function`s that use them) work again, on
+    the restarted task's fresh variables: restore the last `tf.train.Checkpoint` before
+    training on. Variables on tasks that did not restart keep their values.
+
+    Example::
+
+        except diststrat.errors.ClusterError:
+          cluster.restart("ps", 0)          # or your job scheduler restarts it
+          strategy.reconnect()
+          checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir))
+
+    Raises:
+      ValueError: the strategy is not in cluster mode.
+      ClusterError: a PS task still cannot be reached within `step_timeout`.
+    """
+    if self._cluster is None:
+      raise ValueError(f"reconnect() applies to cluster mode only; {self!r} runs in one "
+                       "process.")
+    self._cluster.connect()
+
   # --- variables ---
 
   def _create_variable(self, next_creator, kwargs, colocate_with):
     tower = _tower_threads.current_tower(self)
     create = lambda: self._create_placed_variable(next_creator, kwargs, colocate_with)
+    if self._cluster is not None:
+      plain_create = create
+
+      def create():
+        with tf.init_scope():  # Made once, eagerly, even when first used in a tf.function.
+          return plain_create()
     if tower is not None:
       return tower.shared_variable(kwargs, create)
     return create()
@@ -141,7 +310,13 @@ class ParameterServerStrategy(DistributionStrategy):
     return self._make_variable(device, next_creator, kwargs)
 
   def _make_variable(self, device, next_creator, kwargs):
-    """Creates the variable on `device` (in-process: a plain tf.Variable there)."""
+    """Creates the variable on `device`.
+
+    In one process, a plain tf.Variable there; in cluster mode, a `SharedVariable` on
+    that PS device, shared by name with the other workers.
+    """
+    if self._cluster is not None:
+      return self._cluster.create_variable(device, kwargs)
     with tf.device(device):
       if isinstance(kwargs.get("initial_value"), tf.Tensor):
         kwargs["initial_value"] = tf.identity(kwargs["initial_value"])

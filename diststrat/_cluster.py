@@ -1,0 +1,500 @@
+"""`LocalCluster`: a parameter-server cluster of child processes on this machine.
+
+Each PS task is a child process running a `tf.distribute.Server` on a free loopback
+port. Worker tasks have fixed ports in the spec too (a worker that reconnects after a PS
+restart must come back at the same address), but their processes exist only while
+`run_on_workers` runs: one fresh process per worker task, each running the caller's
+function with a `ParameterServerStrategy` for its task.
+
+Children are started with `subprocess` (not `multiprocessing`, whose spawn start
+method leaves a resource-tracker process behind) and talk to the parent over a socket
+pair (diststrat/_cluster_child.py). Nothing outlives the cluster:
+
+- `stop()` (also on leaving the `with` block, whatever the body raised) kills every
+  child with SIGKILL, which works on frozen (SIGSTOPped) processes too, and reaps it;
+- an `atexit` hook stops every cluster still running when the interpreter exits;
+- every child exits on its own when its parent process dies.
+
+Every wait is bounded: `start_timeout` for a server to come up, `result_timeout` for
+the workers' results, and a few seconds for each kill.
+"""
+
+import atexit
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from multiprocessing import connection
+
+from diststrat import errors
+
+DEFAULT_START_TIMEOUT = 120.0
+DEFAULT_RESULT_TIMEOUT = 600.0
+_KILL_WAIT = 10.0
+_POLL = 0.05
+_CHILD_MAIN = "from diststrat import _cluster_child; _cluster_child.main()"
+_JOBS = ("ps", "worker")
+
+_running_clusters = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_clusters():
+  for cluster in list(_running_clusters):
+    cluster.stop()
+
+
+def free_ports(count, host="127.0.0.1"):
+  """`count` distinct TCP ports that are free on `host` right now."""
+  sockets = []
+  try:
+    for _ in range(count):
+      sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+      sock.bind((host, 0))
+      sockets.append(sock)
+    return [sock.getsockname()[1] for sock in sockets]
+  finally:
+    for sock in sockets:
+      sock.close()
+
+
+def task_name(task_type, task_id):
+  return f"/job:{task_type}/replica:0/task:{task_id}"
+
+
+def _add_note(error, text):
+  if hasattr(error, "add_note"):
+    error.add_note(text)
+  elif error.args and isinstance(error.args[0], str):
+    error.args = (f"{error.args[0]}\n{text}",) + error.args[1:]
+
+
+def _describe_exit(returncode):
+  if returncode is None:
+    return "is still running"
+  if returncode < 0:
+    try:
+      return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+      return f"was killed by signal {-returncode}"
+  return f"exited with code {returncode}"
+
+
+class _Child:
+  """One child process and the parent's end of the socket pair to it."""
+
+  def __init__(self, job, env, name):
+    self.name = name
+    parent_end, child_end = socket.socketpair()
+    try:
+      self.process = subprocess.Popen(
+          [sys.executable, "-c", _CHILD_MAIN, str(child_end.fileno())],
+          pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL)
+    except BaseException:
+      parent_end.close()
+      raise
+    finally:
+      child_end.close()
+    self.conn = connection.Connection(parent_end.detach())
+    try:
+      self.conn.send(job)
+    except OSError:
+      pass  # The child died at once; poll() reports how.
+
+  @property
+  def pid(self):
+    return self.process.pid
+
+  def exited(self):
+    return self.process.poll() is not None
+
+  def receive(self, timeout):
+    """The child's next message, or None if none came within `timeout` (or it is gone)."""
+    try:
+      if self.conn.poll(timeout):
+        return self.conn.recv()
+    except (EOFError, OSError):
+      if timeout:
+        time.sleep(min(timeout, _POLL))
+    return None
+
+  def signal(self, sig):
+    if not self.exited():
+      try:
+        os.kill(self.process.pid, sig)
+      except ProcessLookupError:
+        pass
+
+  def stop(self):
+    """Kills the process (SIGKILL works on a stopped one too) and reaps it."""
+    self.signal(signal.SIGKILL)
+    try:
+      self.process.wait(_KILL_WAIT)
+    except subprocess.TimeoutExpired:  # pragma: no cover - the kernel did not kill it
+      pass
+    self.conn.close()
+
+
+class _WorkerRun:
+  """One `run_on_workers` call: a process per worker task, and their results."""
+
+  def __init__(self, cluster, job):
+    self._cluster = cluster
+    self._job = job
+    self.children = [None] * cluster.num_workers
+    self._payloads = [None] * cluster.num_workers
+
+  def start(self):
+    for task_id in range(len(self.children)):
+      self.children[task_id] = self._start(task_id)
+
+  def _start(self, task_id):
+    job = dict(self._job, task_id=task_id)
+    return self._cluster._start_child(job, task_name("worker", task_id))  # pylint: disable=protected-access
+
+  def restart(self, task_id):
+    """Replaces worker `task_id`'s process with a fresh one (call with the cluster's lock)."""
+    self.children[task_id].stop()
+    self._payloads[task_id] = None
+    self.children[task_id] = self._start(task_id)
+
+  def stop(self):
+    for child in self.children:
+      if child is not None:
+        child.stop()
+
+  def wait(self, timeout):
+    """Returns the results in task order, or raises the first worker's error."""
+    deadline = time.monotonic() + timeout
+    lock = self._cluster._lock  # pylint: disable=protected-access
+    while True:
+      with lock:
+        pending = [i for i, p in enumerate(self._payloads) if p is None]
+      if not pending:
+        break
+      if time.monotonic() > deadline:
+        names = ", ".join(task_name("worker", i) for i in pending)
+        raise errors.ClusterError(
+            f"Worker task(s) {names} returned no result within result_timeout="
+            f"{timeout:g} s; they were stopped. Raise LocalCluster(result_timeout=...) if "
+            "the work is just long.", task=task_name("worker", pending[0]))
+      for task_id in pending:
+        with lock:
+          child = self.children[task_id]
+        exited = child.exited()
+        message = child.receive(_POLL / len(pending))
+        with lock:
+          if self.children[task_id] is not child:
+            continue  # Restarted meanwhile: wait for the new process.
+          if message is not None:
+            self._payloads[task_id] = message
+          elif exited:
+            self._payloads[task_id] = ("died", child.process.returncode)
+    return self._results()
+
+  def _results(self):
+    results, failures = [], []
+    for task_id, payload in enumerate(self._payloads):
+      name = task_name("worker", task_id)
+      if payload[0] == "ok":
+        results.append(pickle.loads(payload[1]))
+        continue
+      if payload[0] == "died":
+        error = errors.ClusterError(
+            f"Worker task {name} {_describe_exit(payload[1])} before returning a result "
+            "(its output, if any, is above).", task=name)
+      else:
+        _, pickled, type_name, message, text = payload
+        error = None
+        if pickled is not None:
+          try:
+            error = pickle.loads(pickled)
+          except Exception:  # pylint: disable=broad-except
+            error = None
+        if not isinstance(error, BaseException):
+          error = errors.ClusterError(f"{type_name} in worker task {name}: {message}",
+                                      task=name)
+        _add_note(error, f"(raised in worker task {name}; its traceback:\n{text.rstrip()})")
+      failures.append((name, error))
+    if failures:
+      name, error = failures[0]
+      if len(failures) > 1:
+        _add_note(error, "(worker tasks " + ", ".join(n for n, _ in failures[1:]) +
+                  " failed too)")
+      raise error
+    return results
+
+
+class LocalCluster:
+  """A parameter-server cluster of processes on this machine, for tests and examples.
+
+  Starts `num_ps` PS tasks (`tf.distribute.Server` processes) on free loopback ports,
+  gives the `num_workers` worker tasks fixed ports, and runs functions on the workers
+  with `run_on_workers`. Use it as a context manager: every process is stopped on
+  exit, also when the body raises.
+
+  Args:
+    num_ps: number of PS tasks.
+    num_workers: number of worker tasks.
+    strategy_kwargs: extra arguments of each worker's `ParameterServerStrategy`, such
+      as {"step_timeout": 10, "variable_placement": "round_robin"}.
+    start_timeout: seconds a PS server may take to start.
+    result_timeout: seconds `run_on_workers` waits for the workers' results.
+    host: the address the servers listen on (loopback by default).
+
+  Example::
+
+      def count(strategy, n):                  # module-level: it is pickled
+        with strategy.scope():
+          c = tf.Variable(0)
+        for _ in range(n):
+          c.assign_add(1)
+        return int(c.numpy())
+
+      with diststrat.cluster.LocalCluster(num_ps=1, num_workers=2) as cluster:
+        print(cluster.cluster_spec)            # {'ps': ['127.0.0.1:...'], 'worker': [...]}
+        cluster.run_on_workers(count, n=100)   # e.g. [187, 200]: the counter is shared
+  """
+
+  def __init__(self, num_ps=1, num_workers=1, *, strategy_kwargs=None,
+               start_timeout=DEFAULT_START_TIMEOUT, result_timeout=DEFAULT_RESULT_TIMEOUT,
+               host="127.0.0.1"):
+    for name, value in (("num_ps", num_ps), ("num_workers", num_workers)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+    self.num_ps = num_ps
+    self.num_workers = num_workers
+    self._strategy_kwargs = dict(strategy_kwargs or {})
+    self._start_timeout = float(start_timeout)
+    self._result_timeout = float(result_timeout)
+    self._host = host
+    self._lock = threading.RLock()
+    self._spec = None
+    self._ps = []
+    self._run = None
+    self._state = "new"
+
+  def __repr__(self):
+    return f"LocalCluster(num_ps={self.num_ps}, num_workers={self.num_workers}, {self._state})"
+
+  def __enter__(self):
+    self.start()
+    return self
+
+  def __exit__(self, exc_type, exc, tb):
+    self.stop()
+    return False
+
+  @property
+  def cluster_spec(self):
+    """{"ps": ["127.0.0.1:port", ...], "worker": [...]}: a copy."""
+    self._check_running()
+    return {job: list(addresses) for job, addresses in self._spec.items()}
+
+  def start(self):
+    """Starts the PS servers and waits until each listens (at most `start_timeout`)."""
+    with self._lock:
+      if self._state != "new":
+        raise RuntimeError(f"{self!r} was started already; a LocalCluster starts once.")
+      self._state = "running"
+      _running_clusters.add(self)
+      ports = free_ports(self.num_ps + self.num_workers, self._host)
+      self._spec = {
+          "ps": [f"{self._host}:{p}" for p in ports[:self.num_ps]],
+          "worker": [f"{self._host}:{p}" for p in ports[self.num_ps:]],
+      }
+    try:
+      self._ps = [self._start_ps(i) for i in range(self.num_ps)]
+      deadline = time.monotonic() + self._start_timeout
+      for task_id, child in enumerate(self._ps):
+        self._wait_ready(child, task_id, deadline)
+    except BaseException:
+      self.stop()
+      raise
+    return self
+
+  def stop(self):
+    """Stops every process of the cluster (idempotent). Bounded: ~10 s per process."""
+    with self._lock:
+      if self._state == "stopped":
+        return
+      self._state = "stopped"
+      run, self._run = self._run, None
+      children, self._ps = list(self._ps), []
+    if run is not None:
+      run.stop()
+    for child in children:
+      if child is not None:
+        child.stop()
+    _running_clusters.discard(self)
+
+  def pid(self, task_type, task_id):
+    """The process id of a task (a worker's only while `run_on_workers` runs)."""
+    return self._child(task_type, task_id).pid
+
+  def kill(self, task_type, task_id, sig=signal.SIGKILL):
+    """Sends `sig` to a task's process: SIGKILL (default) kills it, SIGSTOP freezes it.
+
+    A killed PS task stays down until `restart`. A killed worker makes the running
+    `run_on_workers` raise `ClusterError` naming it, unless it is restarted first.
+
+    Raises:
+      ValueError: no such task, or a worker task while no `run_on_workers` runs.
+    """
+    child = self._child(task_type, task_id)
+    child.signal(sig)
+    if sig == signal.SIGKILL:
+      try:
+        child.process.wait(_KILL_WAIT)
+      except subprocess.TimeoutExpired:  # pragma: no cover
+        pass
+
+  def restart(self, task_type, task_id):
+    """Restarts a task on the same port, killing it first if it still runs.
+
+    A PS task comes back empty (its variables are gone): workers call
+    `strategy.reconnect()` and restore their last checkpoint. A worker task (only while
+    `run_on_workers` runs) is replaced by a fresh process that runs the same function;
+    `run_on_workers` returns the new process's result for it.
+    """
+    if task_type == "ps":
+      with self._lock:
+        old = self._child(task_type, task_id)
+        old.stop()
+        self._ps[task_id] = None
+      child = self._start_ps(task_id)
+      with self._lock:
+        if self._state != "running":
+          child.stop()
+          raise RuntimeError(f"{self!r} was stopped while {task_name('ps', task_id)} "
+                             "restarted.")
+        self._ps[task_id] = child
+      self._wait_ready(child, task_id, time.monotonic() + self._start_timeout)
+      return
+    with self._lock:
+      self._child(task_type, task_id)  # Checks the task.
+      self._run.restart(task_id)
+
+  def run_on_workers(self, fn, **kwargs):
+    """Runs `fn(strategy, **kwargs)` in one fresh process per worker task, all at once.
+
+    Each process gets a `ParameterServerStrategy` connected to the cluster as its own
+    worker task. Waits at most `result_timeout` seconds.
+
+    Args:
+      fn: a module-level function (it is pickled): `fn(strategy, **kwargs)`.
+      **kwargs: picklable keyword arguments for `fn`.
+
+    Returns:
+      The list of the workers' results, in task order.
+
+    Raises:
+      TypeError: `fn` or `kwargs` cannot be pickled.
+      The first failing worker's exception (same type when it can be pickled, else
+      `ClusterError`), with a note naming the task and its traceback; `ClusterError`
+      naming the task if a worker process died or did not finish in time.
+    """
+    try:
+      fn_bytes = pickle.dumps(fn)
+    except Exception as e:  # pylint: disable=broad-except
+      raise TypeError(
+          "run_on_workers() sends fn to the worker processes by pickling it, so fn must "
+          "be a module-level function (not a lambda or a function defined inside "
+          f"another one). Received: fn={fn!r} ({e})") from e
+    try:
+      kwargs_bytes = pickle.dumps(kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      raise TypeError("run_on_workers() sends its keyword arguments to the worker "
+                      f"processes by pickling them; these cannot be: {e}") from e
+    main_path = None
+    if getattr(fn, "__module__", None) == "__main__":
+      main_path = getattr(sys.modules["__main__"], "__file__", None)
+    job = {"kind": "worker", "fn": fn_bytes, "kwargs": kwargs_bytes, "main_path": main_path,
+           "strategy_kwargs": self._strategy_kwargs, "task_type": "worker"}
+    with self._lock:
+      self._check_running()
+      if self._run is not None:
+        raise RuntimeError(f"run_on_workers() is already running on {self!r}; wait for "
+                           "it to return.")
+      run = self._run = _WorkerRun(self, job)
+      try:
+        run.start()
+      except BaseException:
+        self._run = None
+        run.stop()
+        raise
+    try:
+      return run.wait(self._result_timeout)
+    finally:
+      with self._lock:
+        if self._run is run:
+          self._run = None
+      run.stop()
+
+  # --- processes ---
+
+  def _check_running(self):
+    if self._state != "running":
+      raise RuntimeError(f"{self!r} is not running: use it as `with LocalCluster(...) as "
+                         "cluster:` (or call start()).")
+
+  def _child(self, task_type, task_id):
+    with self._lock:
+      self._check_running()
+      if task_type not in _JOBS:
+        raise ValueError(f"task_type must be 'ps' or 'worker'. Received: "
+                         f"task_type={task_type!r}")
+      count = self.num_ps if task_type == "ps" else self.num_workers
+      if not isinstance(task_id, int) or not 0 <= task_id < count:
+        raise ValueError(f"task_id must be from 0 to {count - 1} for the {task_type!r} job "
+                         f"of {self!r}. Received: task_id={task_id!r}")
+      if task_type == "ps":
+        child = self._ps[task_id]
+        if child is None:
+          raise RuntimeError(f"{task_name('ps', task_id)} is restarting.")
+        return child
+      if self._run is None:
+        raise ValueError(
+            f"Worker task {task_name('worker', task_id)} is not running: worker "
+            "processes exist only while run_on_workers() runs (call kill() or restart() "
+            "from another thread meanwhile).")
+      return self._run.children[task_id]
+
+  def _environment(self, kind):
+    env = dict(os.environ)
+    paths = [p for p in sys.path if p]
+    if env.get("PYTHONPATH"):
+      paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    if kind == "ps":
+      env["CUDA_VISIBLE_DEVICES"] = ""  # Variables live on the PS CPU; leave GPUs alone.
+    return env
+
+  def _start_child(self, job, name):
+    job = dict(job, cluster_spec=self._spec, parent_pid=os.getpid(),
+               sys_path=[p or os.getcwd() for p in sys.path])
+    return _Child(job, self._environment(job["kind"]), name)
+
+  def _start_ps(self, task_id):
+    job = {"kind": "ps", "task_type": "ps", "task_id": task_id}
+    return self._start_child(job, task_name("ps", task_id))
+
+  def _wait_ready(self, child, task_id, deadline):
+    name = task_name("ps", task_id)
+    while time.monotonic() < deadline:
+      exited = child.exited()
+      message = child.receive(_POLL)
+      if message is not None and message[0] == "ready":
+        return
+      if exited:
+        raise errors.ClusterError(
+            f"Parameter server {name} {_describe_exit(child.process.returncode)} while "
+            "starting (its error output is above).", task=name)
+    raise errors.ClusterError(
+        f"Parameter server {name} did not start within start_timeout="
+        f"{self._start_timeout:g} s.", task=name)

@@ -1,0 +1,113 @@
+"""What runs in a `LocalCluster` child process: a PS server, or one worker's function.
+
+The parent starts `python -c "from diststrat import _cluster_child; _cluster_child.main()" FD`
+where FD is its end of a socket pair, and sends one job (a dict) over it:
+
+- {"kind": "ps", ...}: start a `tf.distribute.Server` for the task, answer
+  ("ready", pid), then serve until the parent closes the socket (or dies).
+- {"kind": "worker", ...}: build a `ParameterServerStrategy` for the task, run
+  `fn(strategy, **kwargs)`, answer ("ok", pickled result) or ("error", ...), and exit.
+
+Every child exits when its parent dies (it watches its parent process id), so no
+process outlives the cluster, and ends with `os._exit` so that a step thread still
+blocked in TensorFlow cannot hold the exit up.
+"""
+
+import os
+import pickle
+import runpy
+import sys
+import threading
+import time
+import traceback
+import types
+from multiprocessing import connection
+
+_PARENT_POLL = 0.5
+
+
+def _exit_when_orphaned(parent_pid):
+  while True:
+    time.sleep(_PARENT_POLL)
+    if os.getppid() != parent_pid:
+      os._exit(3)
+
+
+def _load_main(main_path):
+  """Loads the parent's main script as `__mp_main__` (as multiprocessing does).
+
+  Functions defined in a script run as `python script.py` pickle as `__main__.fn`;
+  this makes that name resolve in the child without running the script's
+  `if __name__ == "__main__":` block.
+  """
+  module = types.ModuleType("__mp_main__")
+  module.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
+  sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
+def _serve_ps(conn, job):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  server = tf.distribute.Server(tf.train.ClusterSpec(job["cluster_spec"]),
+                                job_name=job["task_type"], task_index=job["task_id"],
+                                protocol="grpc", start=True)
+  conn.send(("ready", os.getpid()))
+  try:
+    while True:
+      conn.recv()
+  except (EOFError, OSError):
+    pass
+  return server  # Referenced until here: deleting the Server object stops it.
+
+
+def _error_payload(error):
+  text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+  try:
+    pickled = pickle.dumps(error)
+    pickle.loads(pickled)
+  except Exception:  # pylint: disable=broad-except
+    pickled = None
+  return ("error", pickled, type(error).__name__, str(error), text)
+
+
+def _run_worker(conn, job):
+  try:
+    if job.get("main_path"):
+      _load_main(job["main_path"])
+    import diststrat  # pylint: disable=g-import-not-at-top
+    fn = pickle.loads(job["fn"])
+    kwargs = pickle.loads(job["kwargs"])
+    strategy = diststrat.ParameterServerStrategy(
+        cluster_spec=job["cluster_spec"], task_type=job["task_type"],
+        task_id=job["task_id"], **job["strategy_kwargs"])
+    result = fn(strategy, **kwargs)
+    try:
+      payload = ("ok", pickle.dumps(result))
+    except Exception as e:  # pylint: disable=broad-except
+      raise TypeError(f"the result of {getattr(fn, '__name__', fn)!r} cannot be pickled "
+                      f"to send it back: {e}. Return plain Python values or numpy "
+                      "arrays.") from e
+  except BaseException as e:  # pylint: disable=broad-except
+    payload = _error_payload(e)
+  conn.send(payload)
+
+
+def main():
+  """Entry point of a child process (see the module docstring)."""
+  conn = connection.Connection(int(sys.argv[1]))
+  job = conn.recv()
+  threading.Thread(target=_exit_when_orphaned, args=(job["parent_pid"],), daemon=True,
+                   name="diststrat-orphan-watch").start()
+  sys.path[:] = job["sys_path"]
+  code = 0
+  try:
+    if job["kind"] == "ps":
+      _serve_ps(conn, job)
+    else:
+      _run_worker(conn, job)
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()
+    code = 1
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

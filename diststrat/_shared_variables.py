@@ -1,0 +1,223 @@
+"""Variables that live on a parameter-server task under a shared name (SPEC section 9).
+
+An eager `tf.Variable` is an anonymous resource: only the process that made it can find
+it. A `SharedVariable` is a resource variable on a parameter-server (PS) task registered
+under a *shared name*, so every worker process that asks that task for the name gets the
+same variable, and the variable outlives the worker that created it.
+
+How one is made (`create_shared_variable`):
+
+1. `VarHandleOp(shared_name=...)` runs on the PS device and returns the resource's
+   handle. Its local copy, made once, is what the Python variable keeps: it holds only
+   the resource's address (task, container, name), so it stays valid when the PS task
+   restarts or the worker reconnects, and `tf.function` traces that captured it keep
+   working.
+2. One small `tf.function` on the PS creates the variable if it is missing, atomically
+   across processes: under a PS-wide mutex (`MutexV2` with a shared name) it assigns the
+   initial value only if `VarIsInitializedOp` says the variable is not there yet, and
+   returns the shape the variable has. A worker that finds the variable already there
+   binds to it and keeps its current value.
+3. Every operation on the variable runs on its PS device (an explicit device scope around
+   reads, assigns and scatters), where TensorFlow enqueues eager remote ops
+   asynchronously instead of wrapping each in a synchronous function call.
+
+Shared names must be the same in every worker process and unique: `SharedNames` gives
+the n-th variable that asks for the name `x` the name `x`, `x_1`, ... in creation
+order, like TensorFlow 1 graphs did, so two `tf.Variable()` calls that are both named
+"Variable" get two variables.
+"""
+
+import functools
+import itertools
+import time
+
+from diststrat._tf import tf
+from diststrat import _tf_internal
+
+INIT_LOCK_NAME = "diststrat/init_lock"
+"""Shared name of the mutex on each PS task that makes create-if-missing atomic."""
+
+_RETRY_SECONDS = 2.0
+_RETRY_PAUSE = 0.25
+
+_unique_ids = itertools.count()
+
+# The methods of a resource variable that touch its resource: each runs with the
+# variable's PS device as its device scope. Not `gather_nd` and `batch_scatter_update`:
+# run eagerly on a remote device, their shape functions do not see the variable's shape
+# and fail (plain tf.Variables on a remote task fail the same way in TF 2.21); without
+# the scope, TensorFlow runs them as a small function placed by the resource, which works.
+_ON_VARIABLE_DEVICE = (
+    "_read_variable_op", "read_value", "read_value_no_copy", "sparse_read",
+    "is_initialized", "assign", "assign_add", "assign_sub", "scatter_sub", "scatter_add",
+    "scatter_max", "scatter_min", "scatter_mul", "scatter_div", "scatter_update",
+    "scatter_nd_sub", "scatter_nd_add", "scatter_nd_update", "scatter_nd_max",
+    "scatter_nd_min", "_strided_slice_assign",
+)
+
+
+class SharedNames:
+  """Deterministic unique names: the n-th request for `base` gets `base`, `base_1`, ...
+
+  A name already handed out (also one a user chose, such as "w_1") is never given
+  again, so names depend only on the order of the requests.
+  """
+
+  def __init__(self):
+    self._used = set()
+    self._next_suffix = {}
+
+  def unique(self, base):
+    if base not in self._used:
+      self._used.add(base)
+      return base
+    suffix = self._next_suffix.get(base, 1)
+    while f"{base}_{suffix}" in self._used:
+      suffix += 1
+    self._next_suffix[base] = suffix + 1
+    name = f"{base}_{suffix}"
+    self._used.add(name)
+    return name
+
+
+class SharedVariable(_tf_internal.BaseResourceVariable):
+  """A `tf.Variable` whose resource lives on a parameter-server task under a shared name.
+
+  Made by `ParameterServerStrategy` in cluster mode; use it as any `tf.Variable`.
+  `device` is its PS device; `shared_name` the name every worker process finds it by.
+  """
+
+  def __init__(self, *, handle, device, shared_name, shape, dtype, trainable=None,
+               synchronization=None, aggregation=None, constraint=None):
+    self._ps_device = device
+    self._diststrat_shared_name = shared_name
+    super().__init__(
+        trainable=trainable, shape=shape, dtype=dtype, handle=handle,
+        constraint=constraint, synchronization=synchronization, aggregation=aggregation,
+        name=shared_name, unique_id=f"{shared_name}_{next(_unique_ids)}",
+        handle_name=shared_name, in_graph_mode=False)
+
+  @property
+  def device(self):
+    """The PS device the variable lives on (its handle object is a local copy)."""
+    return self._ps_device
+
+  @property
+  def shared_name(self):
+    """The name by which every worker process finds this variable on its PS task."""
+    return self._diststrat_shared_name
+
+
+def _on_variable_device(method):
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    with tf.device(self._ps_device):  # pylint: disable=protected-access
+      return method(self, *args, **kwargs)
+  return wrapper
+
+
+def _with_static_shape(method):
+  # The local copy of a remote handle carries no shape, so inside a graph a read would
+  # have unknown rank (Keras layers then fail); the variable knows its shape.
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    result = method(self, *args, **kwargs)
+    if isinstance(result, tf.Tensor) and not tf.executing_eagerly():
+      result.set_shape(self.shape)
+    return result
+  return wrapper
+
+
+for _name in _ON_VARIABLE_DEVICE:
+  if hasattr(_tf_internal.BaseResourceVariable, _name):  # Older TensorFlows lack some.
+    _method = _on_variable_device(getattr(_tf_internal.BaseResourceVariable, _name))
+    if _name in ("_read_variable_op", "read_value", "read_value_no_copy"):
+      _method = _with_static_shape(_method)
+    setattr(SharedVariable, _name, _method)
+
+
+@functools.lru_cache(maxsize=None)
+def _create_if_missing_fn(device, dtype):
+  """A tf.function on `device`: (handle, value) -> (created, shape), under the PS mutex."""
+
+  @tf.function(input_signature=[tf.TensorSpec([], tf.resource), tf.TensorSpec(None, dtype)],
+               autograph=False)
+  def create_if_missing(handle, value):
+    with tf.device(device):
+      lock = tf.raw_ops.MutexLock(mutex=tf.raw_ops.MutexV2(shared_name=INIT_LOCK_NAME))
+      with tf.control_dependencies([lock]):
+        exists = tf.raw_ops.VarIsInitializedOp(resource=handle)
+
+      def create():
+        with tf.control_dependencies(
+            [tf.raw_ops.AssignVariableOp(resource=handle, value=value)]):
+          return tf.constant(True)
+
+      created = tf.cond(exists, lambda: tf.constant(False), create)
+      with tf.control_dependencies([created]):
+        shape = tf.raw_ops.VariableShape(input=handle, out_type=tf.int64)
+      with tf.control_dependencies([shape]):
+        released = tf.raw_ops.ConsumeMutexLock(mutex_lock=lock)
+      with tf.control_dependencies([released]):
+        return tf.identity(created), tf.identity(shape)
+
+  return create_if_missing
+
+
+def create_shared_variable(*, device, local_device, shared_name, initial_value, shape=None,
+                           trainable=None, synchronization=None, aggregation=None,
+                           constraint=None, run=None):
+  """Creates (or binds to) the variable `shared_name` on the PS device `device`.
+
+  Args:
+    device: the PS device, such as "/job:ps/replica:0/task:0/device:CPU:0".
+    local_device: a device of this process; the variable's handle object lives there.
+    shared_name: the name every worker uses for this variable.
+    initial_value: an eager tensor; assigned only if the variable does not exist yet.
+    shape: the variable's shape (default: the initial value's).
+    trainable, synchronization, aggregation, constraint: as for `tf.Variable`.
+    run: a callable `run(fn, what)` that calls `fn()` under a watchdog (default: calls it).
+
+  Returns:
+    A `SharedVariable`.
+
+  Raises:
+    ValueError: the variable exists on its PS task with another shape.
+  """
+  initial_value = tf.convert_to_tensor(initial_value)
+  dtype = initial_value.dtype.base_dtype
+  shape = initial_value.shape if shape is None else tf.TensorShape(shape)
+
+  def connect_once():
+    with tf.device(device):
+      remote = tf.raw_ops.VarHandleOp(dtype=dtype, shape=shape, shared_name=shared_name,
+                                      container="")
+    handle = _tf_internal.copy_to_device(remote, local_device)
+    _, found = _create_if_missing_fn(device, dtype)(handle, initial_value)
+    return handle, tf.TensorShape(found.numpy().tolist())
+
+  def connect():
+    # Create-if-missing is idempotent: a connection that gRPC is still re-opening (just
+    # after a task restarted) is retried for a moment before the error counts.
+    deadline = time.monotonic() + _RETRY_SECONDS
+    while True:
+      try:
+        return connect_once()
+      except tf.errors.UnavailableError:
+        if time.monotonic() > deadline:
+          raise
+        time.sleep(_RETRY_PAUSE)
+
+  if run is None:
+    handle, found = connect()
+  else:
+    handle, found = run(connect, f"creating variable {shared_name!r} on {device}")
+  if not shape.is_compatible_with(found):
+    raise ValueError(
+        f"Variable {shared_name!r} already exists on {device} with shape {found}, but "
+        f"this program creates it with shape {shape}. Workers that share a cluster must "
+        "create the same variables in the same order; restart the parameter servers to "
+        "start from scratch.")
+  return SharedVariable(handle=handle, device=device, shared_name=shared_name, shape=shape,
+                        dtype=dtype, trainable=trainable, synchronization=synchronization,
+                        aggregation=aggregation, constraint=constraint)

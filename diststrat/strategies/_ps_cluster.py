@@ -1,0 +1,138 @@
+"""Cluster mode of `ParameterServerStrategy`: this worker's link to the PS tasks.
+
+`ClusterConnection` checks the cluster spec, connects this process to the cluster with
+TensorFlow's gRPC runtime, names the devices (variables on
+`/job:ps/replica:0/task:i/device:CPU:0`, towers on this task's GPUs, else its CPU), makes
+variables as `SharedVariable`s (shared by name across worker processes) and bounds every
+cluster-touching call with a `StepGuard`.
+
+This worker connects with a view of the cluster that holds the PS tasks and itself only:
+workers never talk to each other, and TensorFlow would otherwise open a context on every
+other worker, which fails while one is down or restarting. Its own address comes from
+the spec (a fixed port): reconnecting after a PS restart needs it to be the same.
+"""
+
+from diststrat._tf import tf
+from diststrat import _devices
+from diststrat import _shared_variables
+from diststrat import _watchdog
+
+PS_JOB = "ps"
+
+
+def _check_addresses(job, addresses):
+  if isinstance(addresses, dict):
+    items = sorted(addresses.items())
+    if [i for i, _ in items] != list(range(len(items))):
+      raise ValueError(f"cluster_spec[{job!r}] as a dict must map task ids 0..n-1 to "
+                       f"addresses. Received: {addresses!r}")
+    addresses = [a for _, a in items]
+  if isinstance(addresses, str) or not isinstance(addresses, (list, tuple)):
+    raise ValueError(f"cluster_spec[{job!r}] must be a list of 'host:port' addresses. "
+                     f"Received: {addresses!r}")
+  for address in addresses:
+    if not isinstance(address, str) or ":" not in address:
+      raise ValueError(f"cluster_spec[{job!r}] must hold 'host:port' strings. Received "
+                       f"{address!r} in {list(addresses)!r}")
+  return list(addresses)
+
+
+def normalize_cluster_spec(cluster_spec, task_type, task_id):
+  """Returns `cluster_spec` as {job: [address, ...]} after checking it and the task.
+
+  Raises:
+    ValueError: the spec is not a dict of address lists, has no PS task, or does not
+      hold the task (`task_type`, `task_id`).
+  """
+  if isinstance(cluster_spec, tf.train.ClusterSpec):
+    cluster_spec = cluster_spec.as_dict()
+  if not isinstance(cluster_spec, dict):
+    raise ValueError("cluster_spec must be a dict such as {'ps': ['host:port', ...], "
+                     "'worker': ['host:port', ...]}. Received: "
+                     f"cluster_spec={cluster_spec!r}")
+  spec = {job: _check_addresses(job, addresses) for job, addresses in cluster_spec.items()}
+  if not spec.get(PS_JOB):
+    raise ValueError("cluster_spec needs at least one parameter server: a 'ps' job with "
+                     f"one address or more. Received: cluster_spec={cluster_spec!r}")
+  if task_type == PS_JOB or task_type not in spec:
+    raise ValueError(
+        f"task_type must name the job of this worker process, one of "
+        f"{sorted(j for j in spec if j != PS_JOB)} (parameter servers run no model code). "
+        f"Received: task_type={task_type!r}")
+  if not isinstance(task_id, int) or not 0 <= task_id < len(spec[task_type]):
+    raise ValueError(f"task_id must be an index into cluster_spec[{task_type!r}], from 0 "
+                     f"to {len(spec[task_type]) - 1}. Received: task_id={task_id!r}")
+  return spec
+
+
+class ClusterConnection:
+  """This process's link to a parameter-server cluster; see the module docstring.
+
+  Args:
+    cluster_spec: {"ps": [...], "worker": [...]} (already checked).
+    task_type, task_id: this process's task.
+    step_timeout: seconds a guarded call may take (None: no limit).
+    name: the owner's description, for messages.
+  """
+
+  def __init__(self, cluster_spec, task_type, task_id, step_timeout, name):
+    self.spec = cluster_spec
+    self.task_type = task_type
+    self.task_id = task_id
+    self.local_task = f"/job:{task_type}/replica:0/task:{task_id}"
+    self.ps_tasks = tuple(f"/job:{PS_JOB}/replica:0/task:{i}"
+                          for i in range(len(cluster_spec[PS_JOB])))
+    self.ps_devices = tuple(f"{task}/device:CPU:0" for task in self.ps_tasks)
+    self.guard = _watchdog.StepGuard(self.ps_tasks, lambda task: f"{task}/device:CPU:0",
+                                     step_timeout, name)
+    self.names = _shared_variables.SharedNames()
+    self.connect()
+
+  def connect(self):
+    """Connects (again) to every PS task; bounded by the step timeout."""
+    view = tf.train.ClusterSpec({
+        PS_JOB: self.spec[PS_JOB],
+        self.task_type: {self.task_id: self.spec[self.task_type][self.task_id]},
+    })
+    self.guard.run(lambda: tf.config.experimental_connect_to_cluster(
+        view, job_name=self.task_type, task_index=self.task_id, protocol="grpc"),
+                   f"connecting {self.local_task} to the cluster")
+
+  def local_devices(self):
+    """This task's GPUs, else its first CPU (canonical names)."""
+    prefix = self.local_task + "/"
+    gpus = [d.name for d in tf.config.list_logical_devices("GPU") if d.name.startswith(prefix)]
+    if gpus:
+      return _devices.canonicalize_all(gpus)
+    return (f"{self.local_task}/device:CPU:0",)
+
+  def canonicalize(self, devices):
+    """Canonical names of `devices`; parts left out default to this task."""
+    if isinstance(devices, (str, tf.DeviceSpec)):
+      devices = (devices,)
+    result = tuple(_devices.canonicalize(d, default=self.local_task) for d in devices)
+    if len(set(result)) != len(result):
+      raise ValueError(f"Each device may appear once. Received: devices={list(devices)!r}")
+    return result
+
+  def create_variable(self, device, kwargs):
+    """A `SharedVariable` on the PS device `device`, made from tf.Variable's `kwargs`."""
+    name = (kwargs.get("name") or "Variable").split(":")[0].strip("/") or "Variable"
+    scope = tf.get_current_name_scope()
+    shared_name = self.names.unique(f"{scope.rstrip('/')}/{name}" if scope else name)
+    with tf.init_scope():
+      initial_value = kwargs.get("initial_value")
+      if callable(initial_value):
+        initial_value = initial_value()
+      if tf.is_symbolic_tensor(initial_value):
+        raise ValueError(
+            f"Variable {shared_name!r} is created inside a tf.function from a value "
+            "computed in it. In cluster mode, create variables outside tf.function, or "
+            "pass initial_value as a callable or a constant.")
+      initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
+      return _shared_variables.create_shared_variable(
+          device=device, local_device=f"{self.local_task}/device:CPU:0",
+          shared_name=shared_name, initial_value=initial_value, shape=kwargs.get("shape"),
+          trainable=kwargs.get("trainable"), synchronization=kwargs.get("synchronization"),
+          aggregation=kwargs.get("aggregation"), constraint=kwargs.get("constraint"),
+          run=self.guard.run)

@@ -1,0 +1,694 @@
+"""Cluster mode of ParameterServerStrategy and LocalCluster (SPEC section 9).
+
+Real processes on loopback: PS tasks are `tf.distribute.Server` child processes, and the
+worker functions below run in worker processes (they must be module-level: they are
+pickled). This pytest process never connects to a cluster itself, so the in-process
+tests keep their local devices. Every test is bounded, and `_no_child_left` checks
+after each one that no child process is left.
+"""
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from diststrat import _shared_variables
+from diststrat.cluster import LocalCluster
+from diststrat.errors import ClusterError
+
+TIMEOUT = 120  # Seconds, per cluster test.
+PS0, PS1 = "/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"
+WORKER0 = "/job:worker/replica:0/task:0"
+
+
+def _children(pid):
+  """Process ids whose parent is `pid` (from /proc; zombies count)."""
+  result = []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        stat = f.read()
+    except OSError:
+      continue
+    fields = stat[stat.rfind(")") + 2:].split()
+    if int(fields[1]) == pid:
+      result.append(int(entry))
+  return result
+
+
+@pytest.fixture(autouse=True)
+def _no_child_left():
+  before = set(_children(os.getpid()))
+  yield
+  deadline = time.monotonic() + 15
+  while True:
+    left = set(_children(os.getpid())) - before
+    if not left or time.monotonic() > deadline:
+      break
+    time.sleep(0.1)
+  assert not left, f"child processes left behind: {sorted(left)}"
+
+
+def _cluster(num_ps=1, num_workers=1, **strategy_kwargs):
+  return LocalCluster(num_ps, num_workers, strategy_kwargs=strategy_kwargs,
+                      start_timeout=60, result_timeout=100)
+
+
+def _wait_for_file(path, timeout=60.0):
+  deadline = time.monotonic() + timeout
+  while not os.path.exists(path):
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"{path} did not appear within {timeout} s")
+    time.sleep(0.02)
+  with open(path) as f:
+    return f.read()
+
+
+def _write(path, text=""):
+  with open(path + ".tmp", "w") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
+
+
+def _progress_files(directory, task):
+  return [name for name in os.listdir(directory)
+          if name.startswith(f"progress_{task}_") and not name.endswith(".tmp")]
+
+
+def _in_background(fn):
+  """Runs fn in a thread; returns a join() that re-raises what fn raised."""
+  outcome = {}
+
+  def target():
+    try:
+      fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      outcome["error"] = e
+
+  thread = threading.Thread(target=target, daemon=True)
+  thread.start()
+
+  def join():
+    thread.join(TIMEOUT)
+    if "error" in outcome:
+      raise outcome["error"]
+
+  return join
+
+
+# --- worker functions (run in the worker processes) -----------------------------------
+
+
+def _variables_fn(strategy, ckpt_dir):
+  """Variables on the PS tasks behave as tf.Variables; a plain tf.Variable is the oracle."""
+  with strategy.scope():
+    a = tf.Variable(tf.zeros([3]), name="a")
+    b = tf.Variable(1.0)
+    c = tf.Variable(2.0)                    # also "Variable": must not collide with b
+    emb = tf.Variable(np.arange(12, dtype=np.float32).reshape(6, 2), name="emb")
+    step = tf.Variable(0, dtype=tf.int64, name="step", trainable=False)
+  @tf.function
+  def make_from_traced_value():
+    with strategy.scope():
+      tf.Variable(tf.ones([2]) * 2.0, name="traced")
+
+  try:
+    make_from_traced_value()
+    traced_error = None
+  except ValueError as e:
+    traced_error = str(e)
+  plain = {"a": tf.Variable(tf.zeros([3])),
+           "emb": tf.Variable(np.arange(12, dtype=np.float32).reshape(6, 2))}
+  results = {
+      "devices": [v.device for v in (a, b, c, emb, step)],
+      "names": [v.name for v in (a, b, c, emb, step)],
+      "types": sorted({type(v).__name__ for v in (a, b, c, emb, step)}),
+      "is_tf_variable": all(isinstance(v, tf.Variable) for v in (a, b, c, emb, step)),
+      "worker_devices": list(strategy.worker_devices),
+      "parameter_devices": list(strategy.parameter_devices),
+      "b_c": [float(b.numpy()), float(c.numpy())],
+      "trainable": [v.trainable for v in (a, step)],
+      "traced_error": traced_error,
+  }
+
+  def exercise(a, emb):
+    out = []
+    a.assign([1.0, 2.0, 3.0])
+    a.assign_add([1.0, 1.0, 1.0])
+    a.assign_sub([0.5, 0.5, 0.5])
+    out.append(a.numpy())
+    emb.scatter_add(tf.IndexedSlices(tf.ones([2, 2]), tf.constant([1, 4])))
+    emb.scatter_update(tf.IndexedSlices(tf.fill([1, 2], -1.0), tf.constant([0])))
+    emb.scatter_sub(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([5])))
+    out.append(emb.sparse_read([0, 1, 4]).numpy())
+    out.append(tf.gather(emb, [5, 4]).numpy())
+    out.append(tf.gather_nd(emb, [[1, 1]]).numpy())
+    out.append(emb.gather_nd([[2, 0]]).numpy())
+    emb.scatter_nd_add([[3, 1]], [10.0])
+    emb.scatter_nd_update([[3, 0]], [-10.0])
+    emb.batch_scatter_update(tf.IndexedSlices(tf.fill([1, 2], 0.5), tf.constant([2])))
+    emb[4:6].assign(tf.fill([2, 2], 7.0))
+    out.append(emb.numpy())
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(a * a) + tf.reduce_sum(tf.gather(emb, [1, 1, 3]))
+    grad_a, grad_emb = tape.gradient(loss, [a, emb])
+    out += [grad_a.numpy(), type(grad_emb).__name__, grad_emb.indices.numpy()]
+
+    @tf.function
+    def fn_step(x):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(a * x) + tf.reduce_sum(emb.sparse_read([2]))
+      ga, ge = tape.gradient(loss, [a, emb])
+      a.assign_sub(0.1 * ga)
+      emb.scatter_sub(tf.IndexedSlices(0.1 * ge.values, ge.indices))
+      return loss
+
+    out.append(fn_step(tf.constant([1.0, 2.0, 3.0])).numpy())
+    out.append(fn_step(tf.constant([1.0, 2.0, 3.0])).numpy())
+    out += [a.numpy(), emb.numpy()]
+    return out
+
+  shared_out, plain_out = exercise(a, emb), exercise(plain["a"], plain["emb"])
+  results["matches_plain"] = [
+      (x == y) if isinstance(x, str) else bool(np.allclose(x, y))
+      for x, y in zip(shared_out, plain_out)]
+
+  checkpoint = tf.train.Checkpoint(a=a, emb=emb, step=step)
+  step.assign_add(7)
+  path = checkpoint.save(os.path.join(ckpt_dir, "ckpt"))
+  saved_a = a.numpy()
+  a.assign([9.0, 9.0, 9.0])
+  step.assign(100)
+  checkpoint.restore(path).assert_consumed()
+  results["restored"] = [bool(np.allclose(a.numpy(), saved_a)), int(step.numpy())]
+  # The same checkpoint restores into plain variables, with no strategy.
+  plain_a, plain_step = tf.Variable(tf.zeros([3])), tf.Variable(0, dtype=tf.int64)
+  tf.train.Checkpoint(a=plain_a, step=plain_step).restore(path).expect_partial()
+  results["portable"] = [bool(np.allclose(plain_a.numpy(), saved_a)), int(plain_step.numpy())]
+  # And the reverse: a checkpoint of plain variables restores into shared ones.
+  plain_a.assign([4.0, 5.0, 6.0])
+  plain_path = tf.train.Checkpoint(a=plain_a).save(os.path.join(ckpt_dir, "plain"))
+  tf.train.Checkpoint(a=a).restore(plain_path).assert_consumed()
+  results["from_plain"] = a.numpy().tolist()
+  try:
+    import keras  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    results["keras"] = None
+  else:
+    with strategy.scope():
+      layer = keras.layers.Dense(4)
+      layer.build((None, 3))
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(layer(tf.ones([2, 3])))
+    grads = tape.gradient(loss, layer.trainable_variables)
+    results["keras"] = ([v.value.device for v in layer.weights],
+                        [g is not None for g in grads])
+  return results
+
+
+def _bind_fn(strategy, add, shape):
+  """Creates "w" (from [1, 2, 3]) and "w" again; adds `add` to the first."""
+  with strategy.scope():
+    w = tf.Variable(tf.constant([1.0, 2.0, 3.0])[:shape], name="w")
+    w_again = tf.Variable(tf.zeros([2]), name="w")  # Same requested name: "w_1".
+  w.assign_add(tf.fill([shape], add))
+  return w.numpy().tolist(), w_again.shared_name, w.shared_name
+
+
+OPTIMIZERS = {
+    "sgd": lambda: ds.optimizers.GradientDescent(0.1),
+    "momentum": lambda: ds.optimizers.Momentum(0.05, 0.9),
+    "nesterov": lambda: ds.optimizers.Momentum(0.05, 0.9, use_nesterov=True),
+    "adam": lambda: ds.optimizers.Adam(0.01),
+}
+
+
+def _optimizers_fn(strategy, steps):
+  """Each shipped optimizer, dense and sparse, eager and tf.function, on shared variables
+  against the same optimizer on plain variables in this process (the oracle)."""
+  rng = np.random.default_rng(7)
+  ids = tf.constant(rng.integers(0, 12, size=(steps, 16)).astype(np.int32))
+  ys = tf.constant(rng.normal(size=(steps, 16, 2)).astype(np.float32))
+  emb0 = rng.normal(size=(12, 4)).astype(np.float32)
+  w0 = (rng.normal(size=(4, 2)) * 0.5).astype(np.float32)
+
+  def loss_fn(emb, w, ids_i, y_i, sparse):
+    def loss():
+      h = tf.gather(emb, ids_i) if sparse else tf.one_hot(ids_i, 12) @ emb
+      return tf.reduce_mean(tf.square(h @ w - y_i))
+    return loss
+
+  errors = {}
+  for name, make in OPTIMIZERS.items():
+    for sparse in (False, True):
+      for mode in ("eager", "function"):
+        key = f"{name}_{'sparse' if sparse else 'dense'}_{mode}"
+        ref_emb, ref_w, ref_opt = tf.Variable(emb0), tf.Variable(w0), make()
+        for i in range(steps):
+          ref_opt.minimize(loss_fn(ref_emb, ref_w, ids[i], ys[i], sparse),
+                           var_list=[ref_emb, ref_w])
+        with strategy.scope(), tf.name_scope(key):
+          emb, w, opt = tf.Variable(emb0, name="emb"), tf.Variable(w0, name="w"), make()
+          global_step = tf.Variable(0, dtype=tf.int64, name="global_step")
+
+        def step(ids_i, y_i, emb=emb, w=w, opt=opt, global_step=global_step, sparse=sparse):
+          strategy.call_for_each_tower(
+              lambda: opt.minimize(loss_fn(emb, w, ids_i, y_i, sparse), var_list=[emb, w],
+                                   global_step=global_step))
+
+        if mode == "function":
+          step = tf.function(step)
+        for i in range(steps):
+          strategy.run_step(step, ids[i], ys[i])
+        slots_on_ps = all(v.device.startswith("/job:ps/") for v in opt.variables())
+        errors[key] = (float(np.abs(emb.numpy() - ref_emb.numpy()).max()),
+                       float(np.abs(w.numpy() - ref_w.numpy()).max()),
+                       int(global_step.numpy()), slots_on_ps)
+  return errors
+
+
+def _count_fn(strategy, n):
+  """Adds 1 to a shared counter n times: half eagerly, half in a tf.function."""
+  with strategy.scope():
+    counter = tf.Variable(0, dtype=tf.int64, name="counter")
+
+  @tf.function
+  def add():
+    counter.assign_add(1, read_value=False)
+
+  for i in range(n):
+    if i % 2:
+      counter.assign_add(1, read_value=False)
+    else:
+      strategy.run_step(add)
+  return int(counter.numpy())
+
+
+def _read_counter_fn(strategy):
+  with strategy.scope():
+    counter = tf.Variable(0, dtype=tf.int64, name="counter")
+  return int(counter.numpy())
+
+
+def _regression_data():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 8)).astype(np.float32)
+  y = x @ rng.normal(size=(8, 1)).astype(np.float32)
+  w1 = (rng.normal(size=(8, 8)) * 0.3).astype(np.float32)
+  w2 = (rng.normal(size=(8, 1)) * 0.3).astype(np.float32)
+  return x, y, w1, w2
+
+
+def _initial_regression_loss():
+  x, y, w1, w2 = _regression_data()
+  return float(np.mean(np.square(x @ w1 @ w2 - y)))
+
+
+def _regression(strategy):
+  """A linear regression with a hidden layer, and its SGD step (one tf.function)."""
+  x, y, w1_0, w2_0 = _regression_data()
+  with strategy.scope():
+    w1 = tf.Variable(w1_0, name="w1")
+    w2 = tf.Variable(w2_0, name="w2")
+    opt = ds.optimizers.GradientDescent(0.002)  # Slow: still learning after 200 steps.
+    global_step = tf.Variable(0, dtype=tf.int64, name="global_step", trainable=False)
+
+  def loss():
+    return tf.reduce_mean(tf.square(x @ w1 @ w2 - y))
+
+  @tf.function
+  def step():
+    strategy.call_for_each_tower(lambda: opt.minimize(loss, var_list=[w1, w2],
+                                                      global_step=global_step))
+    return loss(), global_step.read_value()
+
+  variables = {"w1": w1, "w2": w2, "global_step": global_step, "opt": opt}
+  return variables, step, loss
+
+
+def _restartable_fn(strategy, steps, sync_dir):
+  """Trains `steps` steps, writing its progress; returns where it started and ended."""
+  _, step, loss = _regression(strategy)
+  task = strategy.task_id
+  first_loss, first_step = None, None
+  for i in range(steps):
+    value, global_step = strategy.run_step(step)
+    if first_loss is None:
+      first_loss, first_step = float(value), int(global_step)
+    _write(os.path.join(sync_dir, f"progress_{task}_{os.getpid()}"), str(i + 1))
+    time.sleep(0.01)
+  return {"pid": os.getpid(), "first_loss": first_loss, "first_global_step": first_step,
+          "last_loss": float(loss()), "last_global_step": int(global_step)}
+
+
+def _through_ps_failure_fn(strategy, ckpt_dir, sync_dir, steps_before, steps_after,
+                           wait_for_fault):
+  """Trains, checkpoints, survives a PS fault (kill or freeze) and resumes from the
+  last checkpoint after the PS restarts."""
+  records = []
+  handler = logging.Handler()
+  handler.emit = lambda record: records.append(record.getMessage())
+  logging.getLogger("diststrat").addHandler(handler)
+  variables, step, loss = _regression(strategy)
+  checkpoint = tf.train.Checkpoint(**variables)
+  manager = tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=2)
+  before = []
+  for i in range(steps_before):
+    before.append(float(strategy.run_step(step)[0]))
+    if (i + 1) % 10 == 0:
+      manager.save()
+  checkpoint_loss = None
+  _write(os.path.join(sync_dir, "ready"))
+  _wait_for_file(os.path.join(sync_dir, "fault"), timeout=wait_for_fault)
+  fault_time = time.time()
+  error = None
+  while time.time() - fault_time < 90:
+    try:
+      strategy.run_step(step)
+    except ClusterError as e:
+      error = e
+      break
+  detected = time.time() - fault_time
+  _write(os.path.join(sync_dir, "need_restart"))
+  _wait_for_file(os.path.join(sync_dir, "restarted"), timeout=90)
+  # Before reconnecting, the restarted task does not know this worker. (gRPC may first
+  # refuse a few times while its channel backs off from the failed connects.)
+  not_reconnected, start = None, time.time()
+  while time.time() - start < 30:
+    try:
+      strategy.run_step(step)
+    except ClusterError as e:
+      not_reconnected = (str(e), e.task, time.time() - start)
+      if "restarted since" in str(e):
+        break
+    time.sleep(0.2)
+  strategy.reconnect()
+  manager.restore_or_initialize()
+  checkpoint_loss = float(loss())
+  after = [float(strategy.run_step(step)[0]) for _ in range(steps_after)]
+  return {"error": str(error), "error_type": type(error).__name__,
+          "task": getattr(error, "task", None), "detected": detected,
+          "before": before, "checkpoint_loss": checkpoint_loss, "after": after,
+          "global_step": int(variables["global_step"].numpy()), "logs": records,
+          "not_reconnected": not_reconnected}
+
+
+def _boom_fn(strategy):
+  if strategy.task_id == 1:
+    raise KeyError("no such key in task 1")
+  return "ok"
+
+
+def _unpicklable_result_fn(strategy):
+  return lambda: strategy
+
+
+def _sleep_fn(strategy, seconds):
+  if strategy.task_id == 1:
+    time.sleep(seconds)
+  return "slept"
+
+
+def _slow_step_fn(strategy):
+  strategy.step_timeout = 1.0
+  start = time.monotonic()
+  try:
+    strategy.run_step(time.sleep, 2.5)
+  except ClusterError as e:
+    return str(e), e.task, time.monotonic() - start
+  return None
+
+
+def _shape_mismatch_fn(strategy):
+  with strategy.scope():
+    tf.Variable(tf.zeros([4]), name="w")
+
+
+# --- tests -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_variables_live_on_ps_tasks_and_behave_as_tf_variables(tmp_path):
+  with _cluster(num_ps=2, variable_placement="round_robin") as cluster:
+    [r] = cluster.run_on_workers(_variables_fn, ckpt_dir=str(tmp_path))
+  ps0, ps1 = f"{PS0}/device:CPU:0", f"{PS1}/device:CPU:0"
+  assert r["devices"] == [ps0, ps1, ps0, ps1, ps0]
+  assert r["names"] == ["a:0", "Variable:0", "Variable_1:0", "emb:0", "step:0"]
+  assert r["types"] == ["SharedVariable"] and r["is_tf_variable"]
+  assert r["worker_devices"] == [f"{WORKER0}/device:CPU:0"]
+  assert r["parameter_devices"] == [ps0, ps1]
+  assert r["b_c"] == [1.0, 2.0] and r["trainable"] == [True, False]
+  assert all(r["matches_plain"]), r["matches_plain"]
+  assert r["restored"] == [True, 7] and r["portable"] == [True, 7]
+  assert "Variable 'traced' is created inside a tf.function from a value computed in " \
+         "it. In cluster mode, create variables outside tf.function" in r["traced_error"]
+  assert r["from_plain"] == [4.0, 5.0, 6.0]
+  if r["keras"] is not None:  # Keras 3 layers make shared variables too.
+    assert r["keras"] == ([ps0, ps1], [True, True])
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_optimizers_on_shared_variables_match_plain_variables():
+  with _cluster(num_ps=2) as cluster:
+    [errors] = cluster.run_on_workers(_optimizers_fn, steps=6)
+  assert len(errors) == 16
+  for key, (emb_error, w_error, global_step, slots_on_ps) in errors.items():
+    assert emb_error < 1e-5 and w_error < 1e-5, key
+    assert global_step == 6 and slots_on_ps, key
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_existing_variables_keep_their_values_names_are_unique_slow_steps_time_out():
+  with _cluster() as cluster:
+    [first] = cluster.run_on_workers(_bind_fn, add=10.0, shape=3)
+    [second] = cluster.run_on_workers(_bind_fn, add=100.0, shape=3)
+    with pytest.raises(ValueError, match=r"Variable 'w' already exists on "
+                       rf"{PS0}/device:CPU:0 with shape \(3,\), but this program creates "
+                       r"it with shape \(4,\)") as info:
+      cluster.run_on_workers(_shape_mismatch_fn)
+    [(slow, task, elapsed)] = cluster.run_on_workers(_slow_step_fn)
+  assert first == ([11.0, 12.0, 13.0], "w_1", "w")
+  assert second == ([111.0, 112.0, 113.0], "w_1", "w")  # Bound to w: not initialized again.
+  assert any(f"raised in worker task {WORKER0}" in note for note in info.value.__notes__)
+  # A step slower than step_timeout while every PS task answers: ClusterError, no task.
+  assert "did not finish within step_timeout=1 s, although every parameter server task " \
+         "answers" in slow and "raise step_timeout" in slow
+  assert task is None and 1.0 <= elapsed < 2.5
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_two_workers_lose_no_update():
+  with _cluster(num_workers=2) as cluster:
+    finals = cluster.run_on_workers(_count_fn, n=500)
+    assert cluster.run_on_workers(_read_counter_fn) == [1000, 1000]
+  assert all(500 <= f <= 1000 for f in finals), finals
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_restarted_worker_continues_from_current_values(tmp_path):
+  with _cluster(num_workers=2) as cluster:
+    def restart_worker_0_mid_training():
+      deadline = time.monotonic() + 60
+      while time.monotonic() < deadline:
+        done = [0]
+        for name in _progress_files(tmp_path, task=0):
+          try:
+            with open(os.path.join(tmp_path, name)) as f:
+              done.append(int(f.read() or 0))
+          except (OSError, ValueError):
+            pass
+        if max(done) >= 40:
+          cluster.restart("worker", 0)
+          return
+        time.sleep(0.02)
+      raise TimeoutError("worker 0 made no progress")
+
+    join = _in_background(restart_worker_0_mid_training)
+    results = cluster.run_on_workers(_restartable_fn, steps=150, sync_dir=str(tmp_path))
+    join()
+  pids_of_worker_0 = {name.split("_")[2] for name in _progress_files(tmp_path, task=0)}
+  assert len(pids_of_worker_0) == 2  # The first process, then the restarted one.
+  restarted, other = results
+  assert str(restarted["pid"]) in pids_of_worker_0
+  # The restarted worker found the variables trained by both workers, not fresh ones.
+  assert restarted["first_global_step"] > 40
+  assert restarted["first_loss"] < 0.8 * _initial_regression_loss()
+  assert restarted["last_loss"] < restarted["first_loss"]
+  assert max(restarted["last_global_step"], other["last_global_step"]) >= 150 + 40
+
+
+def _fault_and_restart(cluster, sync_dir, task_type, task_id, sig):
+  def run():
+    _wait_for_file(os.path.join(sync_dir, "ready"), timeout=90)
+    cluster.kill(task_type, task_id, sig)
+    _write(os.path.join(sync_dir, "fault"), json.dumps(time.time()))
+    _wait_for_file(os.path.join(sync_dir, "need_restart"), timeout=90)
+    cluster.restart(task_type, task_id)
+    _write(os.path.join(sync_dir, "restarted"))
+  return _in_background(run)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_killed_ps_raises_cluster_error_then_restart_and_restore_resume(tmp_path):
+  sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
+  sync_dir.mkdir()
+  with _cluster(num_ps=2) as cluster:
+    join = _fault_and_restart(cluster, str(sync_dir), "ps", 1, signal.SIGKILL)
+    [r] = cluster.run_on_workers(_through_ps_failure_fn, ckpt_dir=str(ckpt_dir),
+                                 sync_dir=str(sync_dir), steps_before=30, steps_after=30,
+                                 wait_for_fault=60)
+    join()
+  assert r["error_type"] == "ClusterError" and r["task"] == PS1
+  assert f"Parameter server task {PS1} cannot be reached" in r["error"]
+  assert "call strategy.reconnect(), then restore the last checkpoint" in r["error"]
+  assert r["detected"] < 60
+  message, task, _ = r["not_reconnected"]
+  assert task == PS1 and f"Parameter server task {PS1} restarted since " in message
+  assert "Call strategy.reconnect(), then restore the last checkpoint" in message
+  before, after = r["before"], r["after"]
+  assert before[-1] < before[0]
+  # Restored to step 30's checkpoint: the loss goes on from there and keeps falling.
+  assert r["checkpoint_loss"] == pytest.approx(before[-1], rel=0.2)
+  assert after[-1] < after[0] < before[0]
+  assert r["global_step"] == 60
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_frozen_ps_is_reported_by_the_watchdog(tmp_path):
+  sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
+  sync_dir.mkdir()
+  with _cluster(step_timeout=3.0) as cluster:
+    join = _fault_and_restart(cluster, str(sync_dir), "ps", 0, signal.SIGSTOP)
+    [r] = cluster.run_on_workers(_through_ps_failure_fn, ckpt_dir=str(ckpt_dir),
+                                 sync_dir=str(sync_dir), steps_before=20, steps_after=20,
+                                 wait_for_fault=60)
+    join()
+  assert r["error_type"] == "ClusterError" and r["task"] == PS0
+  assert "did not finish within step_timeout=3 s, waiting on " in r["error"]
+  assert f"{PS0}, which does not answer (frozen, or cut off)" in r["error"]
+  assert 3.0 <= r["detected"] < 8.0
+  [log] = [m for m in r["logs"] if "diststrat watchdog" in m]
+  assert "has been stuck for" in log and f"waiting on {PS0}" in log
+  # After the restart: reconnect, restore, and training goes on from the checkpoint.
+  assert r["checkpoint_loss"] == pytest.approx(r["before"][-1], rel=0.2)
+  assert r["after"][-1] < r["after"][0] < r["before"][0]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_local_cluster_errors_and_cleanup():
+  with pytest.raises(ValueError, match="num_ps must be a positive integer. Received: num_ps=0"):
+    LocalCluster(num_ps=0)
+  cluster = LocalCluster(num_workers=2, result_timeout=15)
+  with pytest.raises(RuntimeError, match="is not running: use it as `with LocalCluster"):
+    cluster.cluster_spec  # pylint: disable=pointless-statement
+  with pytest.raises(ZeroDivisionError):
+    with cluster:
+      ps_pid = cluster.pid("ps", 0)
+      spec = cluster.cluster_spec
+      assert [a.split(":")[0] for a in spec["ps"] + spec["worker"]] == ["127.0.0.1"] * 3
+      assert len({a for a in spec["ps"] + spec["worker"]}) == 3
+      with pytest.raises(ValueError, match="task_type must be 'ps' or 'worker'"):
+        cluster.kill("chief", 0)
+      with pytest.raises(ValueError, match="task_id must be from 0 to 0 for the 'ps' job"):
+        cluster.kill("ps", 1)
+      with pytest.raises(ValueError, match="worker processes exist only while "
+                                           "run_on_workers"):
+        cluster.restart("worker", 0)
+      with pytest.raises(TypeError, match="fn must be a module-level function"):
+        cluster.run_on_workers(lambda strategy: 1)
+      with pytest.raises(TypeError, match="sends its keyword arguments to the worker "
+                                          "processes by pickling them; these cannot be"):
+        cluster.run_on_workers(_boom_fn, callback=lambda: 1)
+      with pytest.raises(TypeError, match="the result of '_unpicklable_result_fn' cannot be "
+                                          "pickled to send it back"):
+        cluster.run_on_workers(_unpicklable_result_fn)
+      with pytest.raises(KeyError, match="no such key in task 1") as info:
+        cluster.run_on_workers(_boom_fn)
+      assert any("raised in worker task /job:worker/replica:0/task:1" in note
+                 for note in info.value.__notes__)
+
+      def kill_worker_1():
+        time.sleep(6)
+        with pytest.raises(RuntimeError, match="run_on_workers\\(\\) is already running"):
+          cluster.run_on_workers(_boom_fn)
+        cluster.kill("worker", 1)
+
+      join = _in_background(kill_worker_1)
+      with pytest.raises(ClusterError, match="Worker task /job:worker/replica:0/task:1 was "
+                                             "killed by SIGKILL before returning") as info:
+        cluster.run_on_workers(_sleep_fn, seconds=30)
+      join()
+      assert info.value.task == "/job:worker/replica:0/task:1"
+      with pytest.raises(ClusterError, match=r"Worker task\(s\) /job:worker/replica:0/task:1 "
+                                             r"returned no result within result_timeout=15 s"):
+        cluster.run_on_workers(_sleep_fn, seconds=60)
+      1 / 0  # pylint: disable=pointless-statement
+  assert not os.path.exists(f"/proc/{ps_pid}")  # Stopped although the body raised.
+  with pytest.raises(RuntimeError, match="was started already"):
+    cluster.start()
+
+
+# --- in this process: argument checks and the building blocks ----------------------------
+
+
+@pytest.mark.parametrize("spec, kwargs, message", [
+    (["127.0.0.1:1"], {}, "cluster_spec must be a dict such as"),
+    ({"worker": ["127.0.0.1:1"]}, {}, "needs at least one parameter server: a 'ps' job"),
+    ({"ps": "127.0.0.1:1", "worker": ["127.0.0.1:2"]}, {},
+     r"cluster_spec\['ps'\] must be a list of 'host:port' addresses"),
+    ({"ps": ["127.0.0.1"], "worker": ["127.0.0.1:2"]}, {},
+     r"cluster_spec\['ps'\] must hold 'host:port' strings"),
+    ({"ps": {1: "127.0.0.1:1"}, "worker": ["127.0.0.1:2"]}, {},
+     r"cluster_spec\['ps'\] as a dict must map task ids 0..n-1 to addresses"),
+    ({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, {"task_type": "ps"},
+     r"task_type must name the job of this worker process, one of \['worker'\]"),
+    ({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, {"task_id": 1},
+     r"task_id must be an index into cluster_spec\['worker'\], from 0 to 0"),
+    ({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, {"ps_devices": ["/cpu:0"]},
+     "ps_devices cannot be given with cluster_spec"),
+])
+def test_bad_cluster_arguments(spec, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    ds.ParameterServerStrategy(cluster_spec=spec, **kwargs)
+
+
+def test_in_process_strategy_has_no_cluster_methods():
+  s = ds.ParameterServerStrategy(worker_devices=["/cpu:0"], ps_devices=["/cpu:0"])
+  assert s.run_step(lambda x: x + 1, 1) == 2 and s.step_timeout is None
+  assert s.cluster_spec is None
+  with pytest.raises(ValueError, match="reconnect\\(\\) applies to cluster mode only"):
+    s.reconnect()
+  with pytest.raises(ValueError, match="step_timeout applies to cluster mode only"):
+    s.step_timeout = 5
+  with pytest.raises(ValueError, match="step_timeout must be a positive number of seconds"):
+    ds.ParameterServerStrategy(worker_devices=["/cpu:0"], step_timeout=0)
+  with s.scope():
+    with pytest.raises(ds.errors.ContextError, match="run_step\\(\\) .* it runs a whole step"):
+      s.call_for_each_tower(lambda: s.run_step(lambda: 1))
+
+
+def test_shared_names_are_unique_and_deterministic():
+  def names():
+    n = _shared_variables.SharedNames()
+    return [n.unique(b) for b in ["Variable", "w_1", "Variable", "w", "w", "w", "a/w"]]
+  assert names() == names() == ["Variable", "w_1", "Variable_1", "w", "w_2", "w_3", "a/w"]
+
+
+def test_cluster_error_keeps_its_task_through_pickling():
+  import pickle  # pylint: disable=g-import-not-at-top
+  error = pickle.loads(pickle.dumps(ClusterError("gone", task=PS0)))
+  assert (str(error), error.task) == ("gone", PS0)
+
+
+def test_cluster_module_is_public():
+  assert "cluster" in ds.__all__ and ds.cluster.LocalCluster is LocalCluster
+  assert ds.cluster.__all__ == ["LocalCluster"]
