@@ -24,7 +24,7 @@ Usage:
 import argparse
 import json
 import os
-import resource
+
 import statistics
 import subprocess
 import sys
