@@ -193,11 +193,7 @@ class StepGuard:
   def _translate(self, error, what):
     if not isinstance(error, tf.errors.OpError) or not is_cluster_fault(error):
       return error
-    # The message may name a healthy task that failed to reach the dead one, so ask
-    # every task; fall back on the message when all of them answer.
-    blamed = [task for task, status in self._probe_all(_BLAME_TIME).items()
-              if status != "answers"] or tasks_named_in(error, self.tasks)
-    task = blamed[0] if blamed else None
+    task = self._blame(error)
     who = f"Parameter server task {task}" if task else "A parameter server task"
     if isinstance(error, (tf.errors.AbortedError, tf.errors.InvalidArgumentError,
                           tf.errors.NotFoundError)):
@@ -209,6 +205,27 @@ class StepGuard:
                  f"failed: {_first_line(error)}). Restart the task, call "
                  "strategy.reconnect(), then restore the last checkpoint.")
     return errors.ClusterError(message, task=task)
+
+  def _blame(self, error):
+    """The task most likely at fault for `error`, or None.
+
+    The message may name a healthy task that failed to reach the dead one, and right
+    after a failure a healthy task may refuse one probe or answer slowly, so neither
+    signal alone is enough: tasks that refuse connections come before tasks that are
+    merely silent, and within each group the tasks the message names come first. With
+    every task answering, the message decides.
+    """
+    statuses = self._probe_all(_BLAME_TIME)
+    named = tasks_named_in(error, self.tasks)
+    order = list(self.tasks)
+
+    def ranked(tasks):
+      return sorted(tasks, key=lambda t: (t not in named, order.index(t)))
+
+    unreachable = [t for t, s in statuses.items() if s.startswith("cannot be reached")]
+    silent = [t for t, s in statuses.items() if s == "does not answer"]
+    blamed = ranked(unreachable) or ranked(silent) or named
+    return blamed[0] if blamed else None
 
   def _abandon(self, helper, what, elapsed, statuses):
     helper.abandoned = True
