@@ -185,7 +185,7 @@ class _Peer:
   """The tf.distribute contender: 1 PS and 2 worker servers, a coordinator (chief)."""
 
   def __init__(self):
-    from diststrat._cluster import free_ports  # pylint: disable=g-import-not-at-top
+    from diststrat.cluster._local_cluster import free_ports  # pylint: disable=g-import-not-at-top
     ps, w0, w1, chief = (f"127.0.0.1:{p}" for p in free_ports(4))
     self.spec = {"ps": [ps], "worker": [w0, w1], "chief": [chief]}
     self.processes = []

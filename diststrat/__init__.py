@@ -20,6 +20,9 @@ from diststrat._context import get_distribution_strategy as get_distribution_str
 from diststrat._context import get_tower_context as get_tower_context
 from diststrat._context import get_update_device as get_update_device
 from diststrat._context import has_distribution_strategy as has_distribution_strategy
+from diststrat._devices import canonicalize as canonicalize_device
+from diststrat._devices import local_devices as local_devices
+from diststrat._input import PerDeviceDataset as PerDeviceDataset
 from diststrat._strategy import DistributionStrategy as DistributionStrategy
 from diststrat.strategies import DefaultStrategy as DefaultStrategy
 from diststrat.strategies import MirroredStrategy as MirroredStrategy
@@ -38,6 +41,9 @@ __all__ = [
     "get_distribution_strategy",
     "has_distribution_strategy",
     "get_update_device",
+    "canonicalize_device",
+    "local_devices",
+    "PerDeviceDataset",
     "errors",
     "cross_tower_ops",
     "optimizers",

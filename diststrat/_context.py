@@ -50,6 +50,8 @@ def _stack():
 
 
 def _default_strategy():
+  # The one import cycle of the package: the default strategy is a strategy, so its
+  # module imports this one; this module needs the default strategy only when called.
   from diststrat.strategies import _default  # pylint: disable=g-import-not-at-top
   return _default.default_strategy()
 
@@ -149,17 +151,6 @@ def update_device_scope(device):
     yield
   finally:
     stack.pop()
-
-
-@contextlib.contextmanager
-def no_update_device():
-  """Hides the update device (for code that runs towers from inside an update)."""
-  saved = getattr(_state, "update_devices", None)
-  _state.update_devices = []
-  try:
-    yield
-  finally:
-    _state.update_devices = saved
 
 
 class TowerContext:

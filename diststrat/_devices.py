@@ -1,4 +1,8 @@
-"""Device strings: one canonical spelling per device."""
+"""Device strings: one canonical spelling per device, and the devices of this machine.
+
+`canonicalize` is public as `diststrat.canonicalize_device`, `local_devices` as
+`diststrat.local_devices`: strategy writers name devices the way diststrat does.
+"""
 
 import functools
 
@@ -16,6 +20,11 @@ def canonicalize(device, default=None):
   Missing parts come from `default` (a device string), then from the local process
   (`/job:localhost/replica:0/task:0/device:CPU:0`). `"/cpu:1"`, `"/device:CPU:1"` and
   `"/job:localhost/replica:0/task:0/device:CPU:1"` all give the last of these.
+
+  Example:
+    >>> import diststrat as ds
+    >>> ds.canonicalize_device("/cpu:1")
+    '/job:localhost/replica:0/task:0/device:CPU:1'
 
   Args:
     device: a device string or `tf.DeviceSpec`.
@@ -53,11 +62,36 @@ def current_device():
   return canonicalize(device) if device else None
 
 
-def canonicalize_all(devices):
-  """Canonical names of `devices` (a device string or a sequence of them), as a tuple."""
+def canonicalize_all(devices, default=None):
+  """Canonical names of `devices` (a device string or a sequence of them), as a tuple.
+
+  Args:
+    devices: a device string or `tf.DeviceSpec`, or a sequence of them.
+    default: as in `canonicalize`: fills the parts each device leaves out.
+
+  Raises:
+    ValueError: a device is not a device string, or appears twice.
+  """
   if isinstance(devices, (str, tf.DeviceSpec)):
     devices = (devices,)
-  result = tuple(canonicalize(d) for d in devices)
+  result = tuple(canonicalize(d, default) for d in devices)
   if len(set(result)) != len(result):
     raise ValueError(f"Each device may appear once. Received: devices={list(devices)!r}")
   return result
+
+
+def local_devices():
+  """All local GPUs, else all local CPU devices (logical devices, canonical names).
+
+  Example:
+    >>> import diststrat as ds
+    >>> all(d.startswith("/job:localhost/") for d in ds.local_devices())
+    True
+  """
+  devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+  return tuple(canonicalize(d.name) for d in devices)
+
+
+def device_type(device):
+  """The device type of a device string: "GPU", "CPU", ... (None if it names none)."""
+  return tf.DeviceSpec.from_string(device).device_type

@@ -13,40 +13,12 @@ import wrapt
 
 from diststrat._tf import tf
 from diststrat import _context
-from diststrat import _devices
+from diststrat import _input
+from diststrat import _tf_internal
 from diststrat import errors
+from diststrat._arguments import as_tf_variable
+from diststrat._arguments import canonical_aggregation
 from diststrat.values import _wrapped
-
-_AGGREGATIONS = {
-    "sum": tf.VariableAggregation.SUM,
-    "mean": tf.VariableAggregation.MEAN,
-}
-
-
-def canonical_aggregation(aggregation):
-  """Returns `tf.VariableAggregation.SUM` or `.MEAN` for `aggregation`, else raises.
-
-  Accepts `tf.VariableAggregation.SUM`, `tf.VariableAggregation.MEAN`, "sum" and "mean".
-  """
-  if isinstance(aggregation, str) and aggregation.lower() in _AGGREGATIONS:
-    return _AGGREGATIONS[aggregation.lower()]
-  if aggregation in (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN):
-    return aggregation
-  raise ValueError(
-      "aggregation must be one of tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN, "
-      f"'sum' or 'mean'. Received: aggregation={aggregation!r}")
-
-
-def as_tf_variable(value):
-  """A Keras 3 variable stands for the TensorFlow variable it holds; others pass through."""
-  # Keras 3 keeps the backend variable in `_value`; there is no public accessor that does
-  # not also cast or read it. Only objects from a keras module are unwrapped.
-  if type(value).__module__.startswith("keras") and hasattr(value, "_value"):
-    inner = getattr(value, "_value")
-    if isinstance(inner, tf.Variable):
-      return inner
-  return value
-
 
 def _needs_cross_tower(wrapped, instance, args, kwargs):
   with instance._cross_tower_guard(wrapped.__name__):  # pylint: disable=protected-access
@@ -67,14 +39,6 @@ naming the fix when the method is called from a tower context or from another st
 scope. From the default context (no strategy entered) the method enters the strategy's
 scope for its duration.
 """
-
-
-def _creators_in_effect():
-  from diststrat import _tf_internal  # pylint: disable=g-import-not-at-top
-  result = []
-  for entry in _tf_internal.variable_creator_stack():
-    result.append(entry[1] if isinstance(entry, tuple) else entry)
-  return result
 
 
 class _StrategyScope:
@@ -312,30 +276,18 @@ class DistributionStrategy:
     if mode.tower_context is None and mode.strategy is self:
       return contextlib.nullcontext()
     default = _context._default_strategy()  # pylint: disable=protected-access
-    if mode.tower_context is not None and mode.strategy is not default:
-      if mode.strategy is self:
-        raise errors.ContextError(
-            f"{type(self).__name__}.{method_name}() needs the cross-tower context, but it "
-            f"was called in {_context.describe_current_context()}. Use "
-            "get_tower_context().merge_call(merge_fn, ...) and call "
-            f"{method_name}() from merge_fn, which runs in the cross-tower context.")
+    in_default_context = _context.in_default_context()
+    if in_default_context and self is default:
+      return _context.cross_tower_mode(self)  # The default strategy's own context.
+    if mode.tower_context is not None and not in_default_context and (
+        mode.strategy is self or mode.strategy is default):
       raise errors.ContextError(
-          f"{type(self).__name__}.{method_name}() of {self!r} was called in "
-          f"{_context.describe_current_context()}: strategies do not mix. Call it "
-          "inside its own scope().")
+          f"{type(self).__name__}.{method_name}() needs the cross-tower context, but it "
+          f"was called in {_context.describe_current_context()}. Use "
+          "get_tower_context().merge_call(merge_fn, ...) and call "
+          f"{method_name}() from merge_fn, which runs in the cross-tower context.")
     if mode.strategy is default:
-      if _context.in_default_context() and self is default:
-        # The default strategy's methods run in its cross-tower context.
-        return _context.cross_tower_mode(self)
-      if mode.tower_context is not None and mode.tower_context is not \
-          _context.default_tower_context():
-        raise errors.ContextError(
-            f"{type(self).__name__}.{method_name}() needs the cross-tower context, but it "
-            f"was called in {_context.describe_current_context()}. Use "
-            "get_tower_context().merge_call(merge_fn, ...) and call "
-            f"{method_name}() from merge_fn.")
-      # From the default context, a strategy's method runs inside its scope.
-      return self.scope()
+      return self.scope()  # From the default context, a strategy's method enters its scope.
     raise errors.ContextError(
         f"{type(self).__name__}.{method_name}() of {self!r} was called in "
         f"{_context.describe_current_context()}: strategies do not mix. Call it "
@@ -377,7 +329,7 @@ class DistributionStrategy:
     managers = self._scope_context_managers()
     if not managers or any(getattr(c, "__self__", None) is self and
                            getattr(c, "__name__", "") == "_variable_creator"
-                           for c in _creators_in_effect()):
+                           for c in _tf_internal.variable_creators()):
       return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     for manager in managers:
@@ -422,24 +374,37 @@ class DistributionStrategy:
     raise NotImplementedError(f"{type(self).__name__} must implement _call_for_each_tower()")
 
   def _get_cross_tower_ops(self):
-    """The `CrossTowerOps` behind the default `_reduce`, `_batch_reduce`, `_broadcast`."""
-    raise NotImplementedError(
-        f"{type(self).__name__} must implement _get_cross_tower_ops() or _reduce()")
+    """The `CrossTowerOps` that does `_reduce`, `_batch_reduce` and `_broadcast`, or None.
+
+    A strategy that returns one gets those three hooks for free. One that returns None
+    (the default) implements `_reduce` and `_broadcast` itself; `_batch_reduce` then
+    reduces the pairs one at a time through `_reduce`.
+    """
+    return None
 
   def _reduce(self, aggregation, value, destinations):
-    return self._get_cross_tower_ops().reduce(aggregation, value,
-                                              destinations or self._worker_devices())
+    return self._required_cross_tower_ops("_reduce").reduce(
+        aggregation, value, destinations or self._worker_devices())
 
   def _batch_reduce(self, aggregation, value_destination_pairs):
-    if type(self)._reduce is not DistributionStrategy._reduce:
-      # The subclass reduces its own way: one pair at a time through it.
+    ops = self._get_cross_tower_ops()
+    if ops is None:
       return [self._reduce(aggregation, value, destinations)
               for value, destinations in value_destination_pairs]
     pairs = [(v, d or self._worker_devices()) for v, d in value_destination_pairs]
-    return self._get_cross_tower_ops().batch_reduce(aggregation, pairs)
+    return ops.batch_reduce(aggregation, pairs)
 
   def _broadcast(self, tensor, destinations):
-    return self._get_cross_tower_ops().broadcast(tensor, destinations or self._worker_devices())
+    return self._required_cross_tower_ops("_broadcast").broadcast(
+        tensor, destinations or self._worker_devices())
+
+  def _required_cross_tower_ops(self, hook):
+    ops = self._get_cross_tower_ops()
+    if ops is None:
+      raise NotImplementedError(
+          f"{type(self).__name__} must implement {hook}(), or _get_cross_tower_ops() to "
+          "have it done by a CrossTowerOps.")
+    return ops
 
   def _update(self, var, fn, args, kwargs):
     """Default: `fn` once on each device holding `var` (each copy, or its one device)."""
@@ -461,7 +426,6 @@ class DistributionStrategy:
     return [value]
 
   def _distribute_dataset(self, dataset_fn):
-    from diststrat import _input  # pylint: disable=g-import-not-at-top
     return _input.PerDeviceDataset(dataset_fn(), self._worker_devices())
 
   def _gather(self, value, axis, destinations):

@@ -1,25 +1,76 @@
-"""The few places where diststrat reaches past TensorFlow's public API.
+"""Every place where diststrat reaches past the public API of TensorFlow or Keras.
 
-Nothing else in diststrat imports `tensorflow.python`. What is here, and why:
+Nothing else in diststrat imports `tensorflow.python`, touches a private attribute of a
+TensorFlow or Keras object, or parses TensorFlow's error text. Each reach is one named
+function or class below, with the reason no public API does the job, and
+tests/test_tf_internal.py has one test per name: after a TensorFlow or Keras upgrade,
+the test named after the wrapper that broke fails, instead of a user's training step.
 
-- Per-thread state that a library running model code in its own threads must carry over
-  from the calling thread: the current graph's device stack, its variable creator
-  stack and control dependencies. There is no public API to read or re-install these.
-- Collective ops: TensorFlow has no public API for them outside `tf.distribute`, and
-  diststrat builds on primitives, not on `tf.distribute` (SPEC, preamble).
-- Calling a traced function with a flat list of tensors: the public call binds every
-  argument to the function's signature in Python, which costs ~7 us per tensor; a
-  `batch_reduce` of 50 tensors on 4 devices passes 200. `call_flat` skips the binding,
-  and falls back to the public call if TensorFlow renames what it uses.
+Reaches, by what needs them:
+
+- Tower threads start from the calling thread's state, which has no public reader or
+  setter: the device scope (`current_device`), the variable creator stack
+  (`variable_creator_stack`, `set_variable_creator_stack`) and the control dependencies
+  (`current_control_dependencies`).
+- Collective ops have no public API outside `tf.distribute`, which diststrat does not
+  build on (`collective_all_reduce`).
+- Calling a traced function with a flat list of tensors (`call_flat`): the public call
+  binds every argument in Python, ~7 us per tensor; a `batch_reduce` of 50 tensors on 4
+  devices passes 200.
+- Variables shared across processes by name (cluster mode): no public class wraps an
+  existing resource handle as a `tf.Variable` (`ResourceVariableFromHandle`,
+  `RESOURCE_METHODS`, `wrap_resource_methods`), and no public op brings a remote
+  resource handle to this process (`copy_to_device`).
+- Cluster faults are told apart only by the text of TensorFlow's errors
+  (`error_summary`, `tasks_named_in_error`, `error_means_task_restarted`).
+- Keras 3 variables hold their TensorFlow variable in `_value`
+  (`keras_backing_variable`).
+
+Protocols: methods TensorFlow calls on diststrat's objects by private names. They are
+defined where the objects are; their names are listed here and tested:
+
+- `_should_act_as_resource_variable`, `_dense_var_to_tensor`, `_shared_name`,
+  `_unique_id`, `_in_graph_mode`: a distributed variable is used as a resource variable
+  by tapes, ops and `tf.Module` (values/_variables.py).
+- `_serialize_to_tensors`, `_restore_from_tensors`, `_copy_trackable_to_cpu`: how
+  `tf.train.Checkpoint` saves a trackable (values/_variables.py).
+- `_create_or_restore_slot_variable`: how `tf.train.Checkpoint` hands an optimizer the
+  saved value of a slot that does not exist yet (optimizers/_optimizer.py).
 """
 
+import functools
 import inspect
+import re
 
-from tensorflow.python.eager import context as _context  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.eager import context as _eager_context  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import ops as _ops  # pylint: disable=g-direct-tensorflow-import
-from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import,unused-import
+from tensorflow.python.ops import collective_ops as _collective_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 from diststrat._tf import tf
+
+PROTOCOLS = {
+    "distributed variables": ("_should_act_as_resource_variable", "_dense_var_to_tensor",
+                              "_shared_name", "_unique_id", "_in_graph_mode"),
+    "checkpoints": ("_serialize_to_tensors", "_restore_from_tensors",
+                    "_copy_trackable_to_cpu"),
+    "optimizer slots": ("_create_or_restore_slot_variable",),
+}
+"""The private method names TensorFlow calls on diststrat's objects, by purpose."""
+
+
+class TensorFlowInternalsError(ImportError):
+  """A private TensorFlow or Keras API that diststrat relies on is missing or changed."""
+
+
+def _missing(what, detail):
+  return TensorFlowInternalsError(
+      f"diststrat relies on {what}, which this TensorFlow ({tf.__version__}) does not "
+      f"provide as expected: {detail}. diststrat is tested with TensorFlow 2.16 to 2.21; "
+      "install one of those, or report this with the version you use.")
+
+
+# --- state a tower thread inherits from the calling thread -----------------------------
 
 
 class _DeviceProbe:
@@ -41,19 +92,28 @@ class _DeviceProbe:
 def current_device():
   """The device of the innermost `tf.device` scope ('' when none), eager or in a graph."""
   if tf.executing_eagerly():
-    return _context.context().device_name or ""
+    return _eager_context.context().device_name or ""
   probe = _DeviceProbe()
   _ops.get_default_graph()._apply_device_functions(probe)  # pylint: disable=protected-access
   return probe.device or ""
 
 
 def variable_creator_stack():
-  """The current thread's variable creator stack of the default graph (a copy)."""
+  """The current thread's variable creator stack of the default graph (an opaque copy).
+
+  Give it back to `set_variable_creator_stack`; `variable_creators` lists its functions.
+  """
   return list(_ops.get_default_graph()._variable_creator_stack)  # pylint: disable=protected-access
 
 
+def variable_creators():
+  """The creator functions in effect in this thread, innermost last."""
+  # TensorFlow 2.21 keeps (priority, function) pairs; some versions keep the functions.
+  return [entry[1] if isinstance(entry, tuple) else entry for entry in variable_creator_stack()]
+
+
 def set_variable_creator_stack(stack):
-  """Installs `stack` as this thread's variable creator stack of the default graph."""
+  """Installs `stack` (from `variable_creator_stack`) on this thread's default graph."""
   _ops.get_default_graph()._variable_creator_stack = list(stack)  # pylint: disable=protected-access
 
 
@@ -64,63 +124,172 @@ def current_control_dependencies():
   return list(_ops.get_default_graph()._current_control_dependencies())  # pylint: disable=protected-access
 
 
-def executing_eagerly_outside_functions():
-  return _ops.executing_eagerly_outside_functions()
+# --- collectives and fast calls ----------------------------------------------------------
+
+
+def collective_all_reduce(value, group_size, group_key, instance_key, mean, timeout,
+                          communication_hint="auto"):
+  """One member of a collective sum (V1 `CollectiveReduce`): every member gets the total.
+
+  The V1 op, because inside one `tf.function` the V2 ops are chained one after another
+  by automatic control dependencies and deadlock without per-device ordering tokens.
+
+  Args:
+    value: this member's tensor.
+    group_size, group_key, instance_key: the collective's group and instance.
+    mean: divide the total by `group_size` (the op's division truncates integers).
+    timeout: seconds to wait for the other members; 0 waits forever.
+    communication_hint: "auto" (a ring on CPUs) or "nccl".
+  """
+  return _collective_ops.all_reduce(
+      value, group_size, group_key, instance_key, merge_op="Add",
+      final_op="Div" if mean else "Id", communication_hint=communication_hint,
+      timeout=timeout)
 
 
 _FAST_CALL_PARAMETERS = ["self", "tensor_inputs", "captured_inputs"]
-_fast_call_ok = {}  # ConcreteFunction class -> whether its _call_flat is the one we know
 
 
+@functools.lru_cache(maxsize=None)
 def _has_fast_call(cls):
-  if cls not in _fast_call_ok:
-    method = getattr(cls, "_call_flat", None)
-    try:
-      _fast_call_ok[cls] = method is not None and list(
-          inspect.signature(method).parameters) == _FAST_CALL_PARAMETERS
-    except (TypeError, ValueError):  # pragma: no cover - depends on the TensorFlow version
-      _fast_call_ok[cls] = False
-  return _fast_call_ok[cls]
+  method = getattr(cls, "_call_flat", None)
+  try:
+    return method is not None and list(
+        inspect.signature(method).parameters) == _FAST_CALL_PARAMETERS
+  except (TypeError, ValueError):  # pragma: no cover - depends on the TensorFlow version
+    return False
 
 
 def call_flat(concrete_function, tensors):
-  """Calls `concrete_function` (traced with `*tensors`) on `tensors`; returns its outputs."""
+  """Calls `concrete_function` (traced with `*tensors`) on `tensors`; returns its outputs.
+
+  Uses the concrete function's private flat call when it has the signature we know, and
+  the public call (slower, same result) otherwise.
+  """
   if _has_fast_call(type(concrete_function)):
     return concrete_function._call_flat(list(tensors), concrete_function.captured_inputs)  # pylint: disable=protected-access
   return concrete_function(*tensors)
 
 
-# --- Variables shared across processes (cluster mode, diststrat/_shared_variables.py) ---
-#
-# Why: a variable that several worker processes share lives on a parameter-server task
-# under a shared name. The public `tf.Variable` always makes an anonymous resource in
-# eager mode (no process but its maker can find it), and there is no public class that
-# wraps an existing resource handle as a variable. `BaseResourceVariable` is that class:
-# subclassing it gives every `tf.Variable` behaviour (tapes, assign*, scatter_*,
-# checkpoints, tf.function captures) around a handle diststrat makes itself.
+# --- variables around a resource handle (cluster mode) -----------------------------------
 
-import re  # pylint: disable=g-import-not-at-top,wrong-import-order,wrong-import-position
 
-from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable  # pylint: disable=g-direct-tensorflow-import,g-import-not-at-top,wrong-import-position
+class ResourceVariableFromHandle(_resource_variable_ops.BaseResourceVariable):
+  """A `tf.Variable` around a resource handle that already exists.
+
+  `BaseResourceVariable` gives every `tf.Variable` behaviour (tapes, assign*, scatter_*,
+  checkpoints, `tf.function` captures); its constructor takes the handle through private
+  arguments.
+  """
+
+  def __init__(self, *, handle, shape, dtype, name, trainable=None, synchronization=None,
+               aggregation=None, constraint=None, unique_id):
+    super().__init__(
+        trainable=trainable, shape=shape, dtype=dtype, handle=handle,
+        constraint=constraint, synchronization=synchronization, aggregation=aggregation,
+        name=name, unique_id=unique_id, handle_name=name, in_graph_mode=False)
+
+
+RESOURCE_METHODS = (
+    "_read_variable_op", "read_value", "read_value_no_copy", "sparse_read",
+    "is_initialized", "assign", "assign_add", "assign_sub", "scatter_sub", "scatter_add",
+    "scatter_max", "scatter_min", "scatter_mul", "scatter_div", "scatter_update",
+    "scatter_nd_sub", "scatter_nd_add", "scatter_nd_update", "scatter_nd_max",
+    "scatter_nd_min", "_strided_slice_assign",
+)
+"""The methods of a resource variable that run an op on its resource.
+
+Not `gather_nd` and `batch_scatter_update`: run eagerly on a remote device, their shape
+functions do not see the variable's shape and fail (plain remote tf.Variables fail the
+same way in TF 2.21); TensorFlow places them by the resource when left alone.
+"""
+
+READ_METHODS = ("_read_variable_op", "read_value", "read_value_no_copy")
+"""The methods of `RESOURCE_METHODS` that return the variable's value."""
+
+
+def wrap_resource_methods(cls, wrap):
+  """Replaces each method of `RESOURCE_METHODS` on `cls` by `wrap(name, method)`.
+
+  Raises:
+    TensorFlowInternalsError: `BaseResourceVariable` lacks one of them (a method left
+      unwrapped would silently run in the wrong place).
+  """
+  base = _resource_variable_ops.BaseResourceVariable
+  missing = [name for name in RESOURCE_METHODS if not callable(getattr(base, name, None))]
+  if missing:
+    raise _missing("BaseResourceVariable's methods " + ", ".join(RESOURCE_METHODS),
+                   f"missing {', '.join(missing)}")
+  for name in RESOURCE_METHODS:
+    setattr(cls, name, functools.wraps(getattr(base, name))(wrap(name, getattr(base, name))))
+
+
+_CONNECTION_LOST = re.compile(
+    r"failed to connect|Connection refused|Connection reset|Socket closed|UNAVAILABLE")
 
 
 def copy_to_device(tensor, device):
   """Copies an eager tensor to `device`, whatever its dtype (resource handles included).
 
-  Why: `tf.identity` of a resource handle runs where the resource lives, so it cannot
-  bring a parameter server's handle to the worker; the eager tensor's own copy can.
-  The copy of a handle holds only the resource's address (task, container, shared
-  name), so it stays valid when the task restarts or the worker reconnects.
+  `tf.identity` of a resource handle runs where the resource lives, so it cannot bring a
+  parameter server's handle to the worker; the eager tensor's own copy can. A failed
+  remote copy raises a bare RuntimeError; it is raised as `UnavailableError` when its
+  text says the connection was lost, the type an op's failure would have.
   """
   try:
     return tensor._copy_to_device(device)  # pylint: disable=protected-access
   except RuntimeError as e:
-    # A failed remote copy raises a bare RuntimeError; give it the type an op's
-    # failure would have, so that callers see a lost connection as one.
     if _CONNECTION_LOST.search(str(e)):
       raise tf.errors.UnavailableError(None, None, str(e)) from e
     raise
 
 
-_CONNECTION_LOST = re.compile(
-    r"failed to connect|Connection refused|Connection reset|Socket closed|UNAVAILABLE")
+# --- what TensorFlow's error text says ---------------------------------------------------
+
+_TASK_PATTERN = re.compile(r"/job:[A-Za-z0-9_]+/replica:\d+/task:\d+")
+_RESTARTED_PATTERN = re.compile(
+    r"context_id|Unable to find the relevant tensor|incarnation|was probably restarted")
+_NOISE = ("Graph execution error", "Detected at node", "<stack traces", "root error(s)",
+          "(most recent call last)", "Additional GRPC error information")
+
+
+def error_summary(error, limit=200):
+  """The line of a TensorFlow error's message that says what happened (at most `limit`)."""
+  text = error.message if isinstance(error, tf.errors.OpError) else str(error)
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  useful = [line for line in lines if not any(noise in line for noise in _NOISE)]
+  line = (useful or lines or [""])[0]
+  line = re.sub(r"^\(\d+\)\s*", "", line)  # "(0) UNAVAILABLE: ..." -> "UNAVAILABLE: ..."
+  return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def tasks_named_in_error(error, tasks):
+  """The tasks of `tasks` (such as "/job:ps/replica:0/task:0") that `error` names."""
+  named = set(_TASK_PATTERN.findall(str(error)))
+  return [t for t in tasks if t in named]
+
+
+def error_means_task_restarted(error):
+  """Whether a TensorFlow error says a remote task restarted (its state is gone).
+
+  TensorFlow raises these as `AbortedError`, `InvalidArgumentError` or `NotFoundError`,
+  told apart from other errors of those types only by their text.
+  """
+  return isinstance(error, (tf.errors.AbortedError, tf.errors.InvalidArgumentError,
+                            tf.errors.NotFoundError)) and bool(
+                                _RESTARTED_PATTERN.search(str(error)))
+
+
+# --- Keras ---------------------------------------------------------------------------
+
+
+def keras_backing_variable(value):
+  """The `tf.Variable` a Keras 3 variable holds, or None if `value` is not one.
+
+  Keras 3 keeps it in `_value`; its public `.value` reads the variable instead.
+  """
+  if type(value).__module__.startswith("keras") and hasattr(value, "_value"):
+    inner = getattr(value, "_value")
+    if isinstance(inner, tf.Variable):
+      return inner
+  return None

@@ -27,6 +27,7 @@ import tensorflow as tf
 import tqdm
 
 import diststrat as ds
+from diststrat import cluster
 from diststrat import cross_tower_ops
 
 
@@ -253,7 +254,6 @@ def train(config, strategy=None):
 
 
 def _train_on_local_cluster(config):
-  from diststrat import cluster  # pylint: disable=g-import-not-at-top
   with cluster.LocalCluster(num_ps=1, num_workers=1) as local:
     [result] = local.run_on_workers(_train_in_worker, config=dataclasses.asdict(config))
   return result

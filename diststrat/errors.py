@@ -8,6 +8,7 @@ __all__ = [
     "ContextError",
     "MergeCallMismatchError",
     "StructureMismatchError",
+    "TowerTimeoutError",
     "ClusterError",
 ]
 
@@ -27,8 +28,12 @@ class StructureMismatchError(ValueError):
   """Towers returned (or passed to `merge_call`) structures that differ."""
 
 
+class TowerTimeoutError(RuntimeError):
+  """A tower neither reached `merge_call` nor returned within the strategy's timeout."""
+
+
 class ClusterError(RuntimeError):
-  """A task of a parameter-server cluster died, froze or could not be reached.
+  """A task of a cluster died, froze or could not be reached, or a cluster was misused.
 
   Attributes:
     task: the task's name, such as "/job:ps/replica:0/task:0", or None when unknown.
@@ -40,3 +45,11 @@ class ClusterError(RuntimeError):
 
   def __reduce__(self):  # Keeps `task` when a worker process sends the error back.
     return (type(self), (self.args[0] if self.args else "", self.task), self.__dict__)
+
+
+def add_note(error, text):
+  """Adds `text` to `error` as a note (Python >= 3.11), else to the end of its message."""
+  if hasattr(error, "add_note"):
+    error.add_note(text)
+  elif error.args and isinstance(error.args[0], str):
+    error.args = (f"{error.args[0]}\n{text}",) + error.args[1:]

@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import diststrat as ds
-from diststrat import _shared_variables
+from diststrat.cluster import _shared_variables
 from diststrat.cluster import LocalCluster
 from diststrat.errors import ClusterError
 

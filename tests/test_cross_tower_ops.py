@@ -156,7 +156,7 @@ def test_repeated_calls_reuse_the_traced_function():
     ops.reduce("sum", value)
   other = _per_device(_values((6,), np.float32, 4, seed=2), CPUS)
   ops.reduce("sum", other)
-  assert len(ops._functions) == 2  # pylint: disable=protected-access
+  assert ops._launcher.num_cached == 2  # pylint: disable=protected-access
 
 
 def test_unknown_shapes_inside_function_go_tensor_by_tensor():
@@ -570,7 +570,8 @@ def test_collectives_run_when_one_result_is_used_and_time_out_with_advice():
       import tensorflow as tf
       cpu, = tf.config.list_physical_devices("CPU")
       tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
-      from diststrat.cross_tower_ops import AllReduceCrossTowerOps, _collective
+      from diststrat import _tf_internal
+      from diststrat.cross_tower_ops import AllReduceCrossTowerOps
       from diststrat.values import PerDevice
 
       # Only the first device's result is used: the other member must not be pruned.
@@ -582,10 +583,10 @@ def test_collectives_run_when_one_result_is_used_and_time_out_with_advice():
         return ops.batch_reduce("sum", [(PerDevice({"/cpu:0": x, "/cpu:1": y}), None)])[0].values[0]
       print("FIRST", float(first_only(tf.constant(1.0))))
 
-      real = _collective._collective_ops.all_reduce
+      real = _tf_internal.collective_all_reduce
       def one_member_missing(t, group_size, *args, **kwargs):
         return real(t, group_size + 1, *args, **kwargs)
-      _collective._collective_ops.all_reduce = one_member_missing
+      _tf_internal.collective_all_reduce = one_member_missing
       ops = AllReduceCrossTowerOps("collective", timeout=0.5)
       try:
         ops.reduce("sum", PerDevice({"/cpu:1": tf.constant(1.0), "/cpu:2": tf.constant(2.0)}))

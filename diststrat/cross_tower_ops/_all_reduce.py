@@ -8,6 +8,7 @@ into a few before the algorithm runs and back after it.
 """
 
 from diststrat._tf import tf
+from diststrat import _arguments
 from diststrat import _devices
 from diststrat.cross_tower_ops import _base
 from diststrat.cross_tower_ops import _collective
@@ -144,13 +145,9 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
     if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 1:
       raise ValueError("num_packs must be an integer >= 1 (1: no packing). Received: "
                        f"num_packs={num_packs!r}")
-    if timeout is not None and (isinstance(timeout, bool)
-                                or not isinstance(timeout, (int, float)) or timeout <= 0):
-      raise ValueError("timeout must be a positive number of seconds, or None to wait "
-                       f"forever. Received: timeout={timeout!r}")
     self._algorithm = algorithm
     self._num_packs = num_packs
-    self._timeout = None if timeout is None else float(timeout)
+    self._timeout = _arguments.seconds("timeout", timeout)
     self._fallback = ReductionToOneDevice()
 
   @property
@@ -213,7 +210,7 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
 
   def _check_devices(self, devices):
     if self._algorithm == "nccl" and any(
-        tf.DeviceSpec.from_string(d).device_type != "GPU" for d in devices):
+        _devices.device_type(d) != "GPU" for d in devices):
       raise ValueError(
           "AllReduceCrossTowerOps(algorithm='nccl') runs on GPUs only, but the values live "
           f"on {list(devices)}. Use algorithm='collective' or 'naive' for other devices, or "
@@ -246,7 +243,7 @@ def choose_cross_tower_ops(devices):
     'collective'
   """
   devices = _devices.canonicalize_all(devices)
-  gpus = [d for d in devices if tf.DeviceSpec.from_string(d).device_type == "GPU"]
+  gpus = [d for d in devices if _devices.device_type(d) == "GPU"]
   if len(devices) > 1 and len(gpus) == len(devices):
     return AllReduceCrossTowerOps("nccl")
   return AllReduceCrossTowerOps("collective")

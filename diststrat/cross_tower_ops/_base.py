@@ -4,25 +4,22 @@ The public methods (`reduce`, `batch_reduce`, `broadcast`) check and normalize t
 arguments, handle what every algorithm shares (values held on one device, `IndexedSlices`),
 and call an underscored hook for the rest. Hooks only build graph ops under `tf.device`:
 in eager mode the base class traces them once per input signature into a `tf.function` and
-runs that, so one call launches the work on every device together (collectives hang
-otherwise) and costs one dispatch instead of one per op. Inside a `tf.function` the hooks
-add their ops to the function being traced.
+runs that (`_launch.Launcher`), so one call launches the work on every device together
+(collectives hang otherwise) and costs one dispatch instead of one per op. Inside a
+`tf.function` the hooks add their ops to the function being traced.
 
 A new algorithm is a subclass that implements `_reduce` (and, to do a batch together,
 `_batch_reduce`); see docs/cross_tower_ops.md.
 """
 
-import collections
-import threading
-
 from diststrat._tf import tf
 from diststrat import _devices
-from diststrat import _strategy
-from diststrat import _tf_internal
+from diststrat._arguments import as_tf_variable
+from diststrat._arguments import canonical_aggregation
+from diststrat.cross_tower_ops import _launch
 from diststrat.values import _wrapped
 
 _MEAN = tf.VariableAggregation.MEAN
-_MAX_CACHED_FUNCTIONS = 256
 
 
 class CrossTowerOps:
@@ -42,8 +39,7 @@ class CrossTowerOps:
   """
 
   def __init__(self):
-    self._lock = threading.Lock()
-    self._functions = collections.OrderedDict()
+    self._launcher = _launch.Launcher(self._build)
 
   # Subclasses implement: `_reduce` (required); the hooks after it have defaults.
 
@@ -116,7 +112,7 @@ class CrossTowerOps:
       >>> [float(v) for v in ReductionToOneDevice().reduce("sum", x, "/cpu:1").values]
       [4.0]
     """
-    aggregation = _strategy.canonical_aggregation(aggregation)
+    aggregation = canonical_aggregation(aggregation)
     value = _as_per_device(per_device_value, "reduce", destinations)
     destinations = _destination_devices(destinations, value.devices)
     return self._run("reduce", aggregation, [(value, destinations)])[0]
@@ -139,7 +135,7 @@ class CrossTowerOps:
       >>> float(sums[0].values[1]), sums[1].values[0].numpy().tolist()
       (3.0, [2.0, 2.0])
     """
-    aggregation = _strategy.canonical_aggregation(aggregation)
+    aggregation = canonical_aggregation(aggregation)
     if isinstance(value_destination_pairs, (str, bytes)) or not isinstance(
         value_destination_pairs, (list, tuple)):
       raise ValueError("batch_reduce() takes a list of (value, destinations) pairs. "
@@ -217,39 +213,12 @@ class CrossTowerOps:
 
   def _launch(self, kind, aggregation, items):
     """Runs `_build` for `items` as one cached `tf.function` (eager mode)."""
-    flat, signature = _flatten_items(items)
-    key = (kind, aggregation, signature)
-    with self._lock:
-      entry = self._functions.get(key)
-      if entry is not None:
-        self._functions.move_to_end(key)
-    if entry is None:
-      entry = self._trace(kind, aggregation, signature, flat)
-      with self._lock:
-        self._functions[key] = entry
-        while len(self._functions) > _MAX_CACHED_FUNCTIONS:
-          self._functions.popitem(last=False)
-    function, out_kinds = entry
     try:
-      outputs = _tf_internal.call_flat(function, flat)
+      return self._launcher.launch(kind, aggregation, items)
     except tf.errors.OpError as e:
       message = (f"{self!r}.{kind}() failed ({type(e).__name__}).{self._failure_hint()} "
                  f"TensorFlow's message: {e.message}")
       raise _with_message(e, message) from e
-    return _unflatten_results(outputs, out_kinds, [d for _, d in items])
-
-  def _trace(self, kind, aggregation, signature, flat):
-    out_kinds = []
-
-    def body(*args):
-      items = _unflatten_items(args, signature)
-      results = self._build(kind, aggregation, items)
-      outputs, kinds = _flatten_results(results, [d for _, d in items])
-      out_kinds.extend(kinds)
-      return outputs
-
-    function = tf.function(body, autograph=False).get_concrete_function(*flat)
-    return function, out_kinds
 
 
 # --- helpers for algorithms -----------------------------------------------------------
@@ -329,7 +298,7 @@ def _as_per_device(value, method, destinations):
   """`value` as a `PerDevice` of tensors and `IndexedSlices`, checked."""
   if value is None:
     raise ValueError(f"{method}() needs a value. Received: None")
-  value = _strategy.as_tf_variable(value)
+  value = as_tf_variable(value)
   if isinstance(value, _wrapped.DistributedValues):
     index = dict(zip(value.devices, value.values))
   elif _is_distributed_variable(value):
@@ -372,7 +341,7 @@ def _home_device(value, destinations):
 
 
 def _as_tensor(value, device):
-  value = _strategy.as_tf_variable(value)
+  value = as_tf_variable(value)
   if isinstance(value, (tf.Tensor, tf.IndexedSlices)):
     return value
   with tf.device(device):
@@ -383,7 +352,7 @@ def _destination_devices(destinations, default):
   """The canonical devices `destinations` names; `default` when it is None."""
   if destinations is None:
     return default
-  destinations = _strategy.as_tf_variable(destinations)
+  destinations = as_tf_variable(destinations)
   if _is_distributed_variable(destinations):
     return _devices.canonicalize_all(destinations.devices)
   return _wrapped.devices_of(destinations)
@@ -397,99 +366,3 @@ def _in_order(result, destinations, ops, hook):
   if result.devices == destinations:
     return result
   return _wrapped.Mirrored({d: result.get(d) for d in destinations})
-
-
-# --- flattening for the eager tf.function ----------------------------------------------
-
-
-def _component_tensors(component):
-  """The tensors a component is made of: itself, or an IndexedSlices' parts."""
-  if isinstance(component, tf.IndexedSlices):
-    parts = [component.values, component.indices]
-    if component.dense_shape is not None:
-      parts.append(component.dense_shape)
-    return parts
-  return [component]
-
-
-def _flatten_items(items):
-  """The tensors of `items` as one flat list, and a hashable signature to rebuild them."""
-  flat = []
-  signature = []
-  for value, destinations in items:
-    components = []
-    for device, component in zip(value.devices, value.values):
-      parts = _component_tensors(component)
-      flat.extend(parts)
-      components.append((device, isinstance(component, tf.IndexedSlices),
-                         tuple((p.dtype, tuple(p.shape)) for p in parts)))
-    signature.append((tuple(components), destinations))
-  return flat, tuple(signature)
-
-
-def _unflatten_items(flat, signature):
-  items = []
-  position = 0
-  for components, destinations in signature:
-    index = {}
-    for device, sparse, parts in components:
-      taken = flat[position:position + len(parts)]
-      position += len(parts)
-      index[device] = tf.IndexedSlices(*taken) if sparse else taken[0]
-    items.append((_wrapped.PerDevice(index), destinations))
-  return items
-
-
-def _flatten_results(results, destinations_list):
-  outputs = []
-  kinds = []
-  for result, destinations in zip(results, destinations_list):
-    for device in destinations:
-      component = result.get(device)
-      parts = _component_tensors(component)
-      outputs.extend(parts)
-      kinds.append(len(parts) if isinstance(component, tf.IndexedSlices) else 0)
-  return outputs, kinds
-
-
-def _unflatten_results(outputs, kinds, destinations_list):
-  outputs = _relabel(outputs, kinds, destinations_list)
-  results = []
-  position = 0
-  kinds = iter(kinds)
-  for destinations in destinations_list:
-    index = {}
-    for device in destinations:
-      kind = next(kinds)
-      parts = outputs[position:position + (kind or 1)]
-      position += kind or 1
-      index[device] = tf.IndexedSlices(*parts) if kind else parts[0]
-    results.append(_wrapped.Mirrored(index))
-  return results
-
-
-def _relabel(outputs, kinds, destinations_list):
-  """The function's outputs, each with `.device` naming the device it lives on.
-
-  An eager tensor returned by a `tf.function` lives where the op that made it ran (its
-  `backing_device`), but its `.device` names the device the call ran on. An identity on
-  the right device fixes the name without copying the data: one `IdentityN` per device.
-  """
-  wanted = []
-  kinds = iter(kinds)
-  for destinations in destinations_list:
-    for device in destinations:
-      wanted.extend([device] * (next(kinds) or 1))
-  wrong = collections.defaultdict(list)
-  for i, (tensor, device) in enumerate(zip(outputs, wanted)):
-    if tensor.device != device:
-      wrong[device].append(i)
-  if not wrong:
-    return outputs
-  outputs = list(outputs)
-  for device, positions in wrong.items():
-    with tf.device(device):
-      relabelled = tf.raw_ops.IdentityN(input=[outputs[i] for i in positions])
-    for i, tensor in zip(positions, relabelled):
-      outputs[i] = tensor
-  return outputs

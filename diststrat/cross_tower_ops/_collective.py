@@ -1,17 +1,14 @@
 """TensorFlow collective all-reduce, and the keys that name each collective.
 
 TensorFlow has no public API for collective ops outside `tf.distribute`; the op comes from
-`_tf_internal`, and every algorithm that uses it calls `all_reduce` below.
-
-We use the V1 ops (`CollectiveReduce`): inside one `tf.function` the V2 ops are chained one
-after another by automatic control dependencies and deadlock without per-device ordering
-tokens (see TF_NOTES.md); the V1 ops are not chained.
+`_tf_internal.collective_all_reduce` (the V1 op: see there why), and every algorithm that
+uses it calls `all_reduce` below.
 """
 
 import threading
 
 from diststrat._tf import tf
-from diststrat._tf_internal import collective_ops as _collective_ops
+from diststrat import _tf_internal
 
 # tf.distribute numbers its groups and instances from 1. Starting far above lets both
 # libraries run collectives in one process without their keys meeting.
@@ -70,10 +67,8 @@ def all_reduce(values, devices, mean, timeout, communication_hint="auto"):
   results = []
   for value, device in zip(values, devices):
     with tf.device(device):
-      results.append(_collective_ops.all_reduce(
-          value, len(devices), group_key, instance_key, merge_op="Add",
-          final_op="Div" if mean else "Id", communication_hint=communication_hint,
-          timeout=timeout))
+      results.append(_tf_internal.collective_all_reduce(
+          value, len(devices), group_key, instance_key, mean, timeout, communication_hint))
   return results
 
 

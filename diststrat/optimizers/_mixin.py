@@ -52,17 +52,18 @@ class DistributedOptimizerMixin:
   def _distributed_apply(self, distribution, grads_and_vars, global_step=None, name=None):
     """Sums per-tower gradients onto each variable and updates every copy of it."""
     pairs = self._check_pairs(grads_and_vars)
-    pairs = [(g, _optimizer._container(v)) for g, v in pairs]  # pylint: disable=protected-access
+    pairs = [(g, _optimizer.state_owner(v)) for g, v in pairs]
     var_list = [v for _, v in pairs]
     reduced = distribution.batch_reduce("sum", [(g, v) for g, v in pairs])
     self._create_state(var_list, distribution)
     self._prepare()
-    update_ops = [distribution.update(v, self._apply_one, g) for g, (_, v) in zip(reduced, pairs)]
+    update_ops = [distribution.update(v, lambda component, grad: self._apply_one(grad, component), g)
+                  for g, (_, v) in zip(reduced, pairs)]
     finish = distribution.update_non_slot(distribution.non_slot_devices(var_list),
                                           self._finish, update_ops, name or self.name)
     if global_step is not None:
       deps = [c for leaf in tf.nest.flatten(finish) for c in distribution.unwrap(leaf)]
-      with _optimizer._control_dependencies(deps):  # pylint: disable=protected-access
+      with _optimizer.control_dependencies(deps):
         distribution.update(global_step, lambda step: step.assign_add(
             tf.ones([], step.dtype), read_value=False))
     return distribution.group(finish)

@@ -4,11 +4,11 @@ import contextlib
 
 from diststrat._tf import tf
 from diststrat import _context
-from diststrat._strategy import as_tf_variable
+from diststrat._arguments import as_tf_variable
 from diststrat.values import _wrapped
 
 
-def _container(var):
+def state_owner(var):
   """The variable that owns optimizer state for `var`: a distributed variable for its copies."""
   var = as_tf_variable(var)
   return _wrapped.container_of(var) or var
@@ -142,10 +142,10 @@ class Optimizer(tf.Module):
     var_list = [v for _, v in pairs]
     self._create_state(var_list, _context.get_distribution_strategy())
     self._prepare()
-    update_ops = [self._apply_one(v, g) for g, v in pairs]
+    update_ops = [self._apply_one(g, v) for g, v in pairs]
     finish = self._finish(update_ops, name or self.name)
     if global_step is not None:
-      with _control_dependencies([finish]):
+      with control_dependencies([finish]):
         as_tf_variable(global_step).assign_add(tf.ones([], global_step.dtype))
     return finish
 
@@ -166,7 +166,8 @@ class Optimizer(tf.Module):
     grads_and_vars = self.compute_gradients(loss, var_list=var_list, tape=tape)
     return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
-  def _apply_one(self, var, grad):
+  def _apply_one(self, grad, var):
+    """`_apply_sparse` for an `IndexedSlices` gradient, else `_apply_dense`."""
     if isinstance(grad, tf.IndexedSlices):
       return self._apply_sparse(grad, var)
     return self._apply_dense(grad, var)
@@ -195,15 +196,14 @@ class Optimizer(tf.Module):
   def _create_state(self, var_list, strategy):
     """Creates missing state outside any tf.function graph, in `strategy`'s policy."""
     with tf.init_scope(), strategy._variable_creation_scope():  # pylint: disable=protected-access
-      self._create_slots([_container(v) for v in var_list])
-    self._strategy_for_state = strategy
+      self._create_slots([state_owner(v) for v in var_list])
 
   def _zeros_slot(self, var, slot_name):
     """Returns the slot `slot_name` of `var`, creating it (zeros, colocated) if missing."""
     return self._get_or_make_slot(var, slot_name, lambda: tf.zeros(var.shape, var.dtype))
 
   def _get_or_make_slot(self, var, slot_name, initial_value):
-    var = _container(var)
+    var = state_owner(var)
     named = self._state.slots.setdefault(slot_name, {})
     entry = named.get(id(var))
     if entry is not None:
@@ -239,7 +239,7 @@ class Optimizer(tf.Module):
   @tf.autograph.experimental.do_not_convert
   def get_slot(self, var, name):
     """The slot `name` of `var`, or None. Inside `update()`, the update device's copy."""
-    entry = self._state.slots.get(name, {}).get(id(_container(var)))
+    entry = self._state.slots.get(name, {}).get(id(state_owner(var)))
     if entry is None:
       return None
     return _local(entry[1])
@@ -260,7 +260,7 @@ class Optimizer(tf.Module):
                                        slot_variable_shape=None):
     """Called by tf.train.Checkpoint when it restores a slot of `variable`."""
     del slot_variable_shape
-    var = _container(variable)
+    var = state_owner(variable)
     entry = self._state.slots.get(slot_name, {}).get(id(var))
     if entry is None and tf.executing_eagerly():
       strategy = getattr(var, "distribution_strategy", None) or \
@@ -300,7 +300,7 @@ def _group(ops):
   return tf.group(*ops)
 
 
-def _control_dependencies(ops):
+def control_dependencies(ops):
   ops = [op for op in tf.nest.flatten(ops) if op is not None]
   if tf.executing_eagerly() or not ops:
     return contextlib.nullcontext()

@@ -5,6 +5,7 @@ import threading
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _devices
+from diststrat import _input
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
 
@@ -86,7 +87,6 @@ class DefaultStrategy(DistributionStrategy):
     return tf.identity(v)
 
   def _distribute_dataset(self, dataset_fn):
-    from diststrat import _input  # pylint: disable=g-import-not-at-top
     return _input.PerDeviceDataset(dataset_fn(), devices=None)
 
   def _num_towers(self):

@@ -1,17 +1,13 @@
 """`MirroredStrategy`: data parallelism over the devices of one machine."""
 
 from diststrat._tf import tf
+from diststrat import _arguments
 from diststrat import _devices
+from diststrat import cross_tower_ops
 from diststrat._strategy import DistributionStrategy
 from diststrat.strategies import _tower_threads
 from diststrat.values import _variables
 from diststrat.values import _wrapped
-
-
-def local_devices():
-  """All local GPUs, else all local CPU devices (logical devices, canonical names)."""
-  devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
-  return tuple(_devices.canonicalize(d.name) for d in devices)
 
 
 def create_copies(next_creator, kwargs, devices):
@@ -21,12 +17,8 @@ def create_copies(next_creator, kwargs, devices):
   are named `<name>/tower_<i>`.
   """
   kwargs = dict(kwargs)
-  initial_value = kwargs.get("initial_value")
   with tf.device(devices[0]):
-    if callable(initial_value):
-      initial_value = initial_value()
-    if not isinstance(initial_value, tf.Tensor) or kwargs.get("dtype") is not None:
-      initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
+    initial_value = _arguments.initial_value_tensor(kwargs)
   copies = {}
   for i, device in enumerate(devices):
     with tf.device(device):
@@ -68,8 +60,7 @@ def default_cross_tower_ops(devices):
   GPUs: the "naive" all-reduce, which measured fastest on logical CPU devices (about 6x
   "collective", 2x reduction to one device; see docs/cross_tower_ops.md).
   """
-  from diststrat import cross_tower_ops  # pylint: disable=g-import-not-at-top
-  if all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices):
+  if all(_devices.device_type(d) == "GPU" for d in devices):
     return cross_tower_ops.choose_cross_tower_ops(devices)
   if len(devices) > 1:
     return cross_tower_ops.AllReduceCrossTowerOps("naive")
@@ -107,7 +98,7 @@ class MirroredStrategy(DistributionStrategy):
                tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT):
     super().__init__()
     if devices is None:
-      devices = local_devices()
+      devices = _devices.local_devices()
     devices = _devices.canonicalize_all(devices)
     if not devices:
       raise ValueError("MirroredStrategy needs at least one device. Received: devices=[]")

@@ -4,13 +4,14 @@ import contextlib
 import itertools
 
 from diststrat._tf import tf
+from diststrat import _arguments
 from diststrat import _context
 from diststrat import _devices
 from diststrat import _tf_internal
+from diststrat import cross_tower_ops
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
-from diststrat.strategies import _mirrored
-from diststrat.strategies import _ps_cluster
+from diststrat.cluster import _connection
 from diststrat.strategies import _tower_threads
 from diststrat.values import _wrapped
 
@@ -133,9 +134,9 @@ class ParameterServerStrategy(DistributionStrategy):
             "ps_devices cannot be given with cluster_spec: in cluster mode the parameter "
             "devices are the CPUs of the 'ps' tasks of the spec. Received: "
             f"ps_devices={ps_devices!r}")
-      spec = _ps_cluster.normalize_cluster_spec(cluster_spec, task_type, task_id)
+      spec = _connection.normalize_cluster_spec(cluster_spec, task_type, task_id)
       self._cluster_spec = spec
-      self._cluster = _ps_cluster.ClusterConnection(
+      self._cluster = _connection.ClusterConnection(
           spec, task_type, task_id, step_timeout,
           name=f"ParameterServerStrategy of /job:{task_type}/replica:0/task:{task_id}")
       ps_devices = self._cluster.ps_devices
@@ -144,13 +145,11 @@ class ParameterServerStrategy(DistributionStrategy):
       self._worker_devices_tuple = self._cluster.canonicalize(worker_devices)
     else:
       if worker_devices is None:
-        worker_devices = _mirrored.local_devices()
+        worker_devices = _devices.local_devices()
       if ps_devices is None:
         ps_devices = (_devices.canonicalize(tf.config.list_logical_devices("CPU")[0].name),)
       self._worker_devices_tuple = _devices.canonicalize_all(worker_devices)
-      if step_timeout is not None and not step_timeout > 0:
-        raise ValueError("step_timeout must be a positive number of seconds or None. "
-                         f"Received: step_timeout={step_timeout!r}")
+      _arguments.seconds("step_timeout", step_timeout)
     self._ps_devices = _devices.canonicalize_all(ps_devices)
     if not self._worker_devices_tuple or not self._ps_devices:
       raise ValueError("ParameterServerStrategy needs at least one worker device and one "
@@ -158,7 +157,8 @@ class ParameterServerStrategy(DistributionStrategy):
                        f"ps_devices={ps_devices!r}")
     self._placer = VariablePlacer(self._ps_devices, variable_placement)
     self._tower_timeout = float(tower_timeout)
-    self._reducer = None
+    # Reduces on the first destination: a variable's own device when reducing onto it.
+    self._reducer = cross_tower_ops.ReductionToOneDevice()
 
   def __repr__(self):
     if self._cluster is not None:
@@ -285,29 +285,22 @@ class ParameterServerStrategy(DistributionStrategy):
   def _create_variable(self, next_creator, kwargs, colocate_with):
     tower = _tower_threads.current_tower(self)
     create = lambda: self._create_placed_variable(next_creator, kwargs, colocate_with)
-    if self._cluster is not None:
-      plain_create = create
-
-      def create():
-        with tf.init_scope():  # Made once, eagerly, even when first used in a tf.function.
-          return plain_create()
     if tower is not None:
       return tower.shared_variable(kwargs, create)
     return create()
 
   def _create_placed_variable(self, next_creator, kwargs, colocate_with):
-    kwargs = dict(kwargs)
-    if colocate_with is not None:
-      device = _wrapped.devices_of(colocate_with)[0]
-    else:
-      initial_value = kwargs.get("initial_value")
-      if callable(initial_value):
-        initial_value = initial_value()
-      initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
-      kwargs["initial_value"] = initial_value
-      device = self._placer.place(kwargs.get("name"), initial_value.shape,
-                                  initial_value.dtype)
-    return self._make_variable(device, next_creator, kwargs)
+    # In cluster mode a variable is made once, eagerly, even when first used in a
+    # tf.function: it lives on a PS task beyond any one trace.
+    with tf.init_scope() if self._cluster is not None else contextlib.nullcontext():
+      kwargs = dict(kwargs)
+      if colocate_with is not None:
+        device = _wrapped.devices_of(colocate_with)[0]
+      else:
+        kwargs["initial_value"] = _arguments.initial_value_tensor(kwargs)
+        device = self._placer.place(kwargs.get("name"), kwargs["initial_value"].shape,
+                                    kwargs["initial_value"].dtype)
+      return self._make_variable(device, next_creator, kwargs)
 
   def _make_variable(self, device, next_creator, kwargs):
     """Creates the variable on `device`.
@@ -331,10 +324,6 @@ class ParameterServerStrategy(DistributionStrategy):
   # --- reductions and updates: the base class's, through _get_cross_tower_ops ---
 
   def _get_cross_tower_ops(self):
-    # Reduce on the first destination: a variable's own device when reducing onto it.
-    if self._reducer is None:
-      from diststrat import cross_tower_ops  # pylint: disable=g-import-not-at-top
-      self._reducer = cross_tower_ops.ReductionToOneDevice()
     return self._reducer
 
   def _non_slot_devices(self, var_list):

@@ -13,7 +13,6 @@ before `run()` returns or raises, and every wait is bounded by `timeout`.
 """
 
 import contextlib
-
 import threading
 
 from diststrat._tf import tf
@@ -28,20 +27,8 @@ DEFAULT_TOWER_TIMEOUT = 600.0
 _JOIN_TIMEOUT = 30.0
 
 
-class TowerTimeoutError(RuntimeError):
-  """A tower neither reached `merge_call` nor returned within the strategy's timeout."""
-
-
 class _Aborted(BaseException):
   """Raised inside a paused tower to unwind it when the call fails elsewhere."""
-
-
-def add_tower_note(exc, text):
-  """Adds `text` to `exc` as a note (Python >= 3.11) or to its message."""
-  if hasattr(exc, "add_note"):
-    exc.add_note(text)
-  elif exc.args and isinstance(exc.args[0], str):
-    exc.args = (f"{exc.args[0]}\n{text}",) + exc.args[1:]
 
 
 class _Captured:
@@ -205,7 +192,7 @@ class TowerRunner:
   def _step(self, tower):
     tower.go.set()
     if not tower.paused.wait(self.timeout):
-      raise TowerTimeoutError(
+      raise errors.TowerTimeoutError(
           f"Tower {tower.tower_id} of {self.strategy!r} (device {tower.device}) neither "
           f"reached merge_call() nor returned within {self.timeout:g} s. Towers run one "
           "at a time, so a tower must not wait for another one (for example on an eager "
@@ -214,7 +201,7 @@ class TowerRunner:
     tower.paused.clear()
     if tower.error is not None:
       error = tower.error
-      add_tower_note(error, f"(raised in tower {tower.tower_id} of {self.strategy!r}, "
+      errors.add_note(error, f"(raised in tower {tower.tower_id} of {self.strategy!r}, "
                      f"on device {tower.device})")
       raise error.with_traceback(error.__traceback__)
 
@@ -239,7 +226,7 @@ class TowerRunner:
         result = first.merge_fn(self.strategy, *merged_args, **merged_kwargs)
       except BaseException as e:
         if not isinstance(e, _Aborted):
-          add_tower_note(e, f"(raised in merge_fn {getattr(first.merge_fn, '__name__', '')} "
+          errors.add_note(e, f"(raised in merge_fn {getattr(first.merge_fn, '__name__', '')} "
                          f"called by towers 0-{len(towers) - 1} of {self.strategy!r})")
         raise
     for tower in towers:

@@ -16,8 +16,6 @@ from diststrat import _context
 from diststrat.values import _wrapped
 
 _VARIABLE_VALUE = "VARIABLE_VALUE"  # The key a plain tf.Variable saves its value under.
-_TOWER_AGGREGATIONS = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN,
-                       tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 
 def _in_real_tower():

@@ -25,51 +25,27 @@ run directly: the outer call already bounds them.
 
 import logging
 import queue
-import re
 import threading
 import time
 
 from diststrat._tf import tf
+from diststrat import _arguments
+from diststrat import _tf_internal
 from diststrat import errors
 
 logger = logging.getLogger("diststrat")
 
-_TASK_PATTERN = re.compile(r"/job:[A-Za-z0-9_]+/replica:\d+/task:\d+")
-_RESTARTED_PATTERN = re.compile(
-    r"context_id|Unable to find the relevant tensor|incarnation|was probably restarted")
 _PROBE_FRACTION = 0.5  # Probe the tasks once a step has used this share of its timeout.
 _MIN_PROBE_TIME = 1.0  # Seconds a probe gets to answer before its task counts as silent.
 _BLAME_TIME = 2.0  # Seconds spent asking the tasks which one failed, after an error.
 _PROBE_RETRY = 0.25  # Seconds between two probes of a task that did not answer.
 
 
-_NOISE = ("Graph execution error", "Detected at node", "<stack traces", "root error(s)",
-          "(most recent call last)", "Additional GRPC error information")
-
-
-def _first_line(error):
-  """The line of a TensorFlow error message that says what happened."""
-  text = error.message if isinstance(error, tf.errors.OpError) else str(error)
-  lines = [line.strip() for line in text.splitlines() if line.strip()]
-  useful = [line for line in lines if not any(noise in line for noise in _NOISE)]
-  line = (useful or lines or [""])[0]
-  line = re.sub(r"^\(\d+\)\s*", "", line)  # "(0) UNAVAILABLE: ..." -> "UNAVAILABLE: ..."
-  return line if len(line) <= 200 else line[:197] + "..."
-
-
-def tasks_named_in(message, tasks):
-  """The tasks of `tasks` that `message` names, in the order of `tasks`."""
-  named = set(_TASK_PATTERN.findall(str(message)))
-  return [t for t in tasks if t in named]
-
-
 def is_cluster_fault(error):
   """Whether a TensorFlow error means a task died, restarted or could not be reached."""
   if isinstance(error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError)):
     return True
-  return isinstance(error, (tf.errors.AbortedError, tf.errors.InvalidArgumentError,
-                            tf.errors.NotFoundError)) and bool(
-                                _RESTARTED_PATTERN.search(str(error)))
+  return _tf_internal.error_means_task_restarted(error)
 
 
 class _Job:
@@ -131,10 +107,7 @@ class StepGuard:
 
   @timeout.setter
   def timeout(self, value):
-    if value is not None and not value > 0:
-      raise ValueError(f"step_timeout must be a positive number of seconds or None. "
-                       f"Received: step_timeout={value!r}")
-    self._timeout = None if value is None else float(value)
+    self._timeout = _arguments.seconds("step_timeout", value)
 
   def inside(self):
     """Whether the calling thread is running a guarded call."""
@@ -195,14 +168,13 @@ class StepGuard:
       return error
     task = self._blame(error)
     who = f"Parameter server task {task}" if task else "A parameter server task"
-    if isinstance(error, (tf.errors.AbortedError, tf.errors.InvalidArgumentError,
-                          tf.errors.NotFoundError)):
+    if _tf_internal.error_means_task_restarted(error):
       message = (f"{who} restarted since {self._name} connected to it, so the variables "
-                 f"it held are gone ({what} failed: {_first_line(error)}). Call "
+                 f"it held are gone ({what} failed: {_tf_internal.error_summary(error)}). Call "
                  "strategy.reconnect(), then restore the last checkpoint.")
     else:
       message = (f"{who} cannot be reached: it died or its network is down ({what} "
-                 f"failed: {_first_line(error)}). Restart the task, call "
+                 f"failed: {_tf_internal.error_summary(error)}). Restart the task, call "
                  "strategy.reconnect(), then restore the last checkpoint.")
     return errors.ClusterError(message, task=task)
 
@@ -216,7 +188,7 @@ class StepGuard:
     every task answering, the message decides.
     """
     statuses = self._probe_all(_BLAME_TIME)
-    named = tasks_named_in(error, self.tasks)
+    named = _tf_internal.tasks_named_in_error(error, self.tasks)
     order = list(self.tasks)
 
     def ranked(tasks):
@@ -277,7 +249,7 @@ class StepGuard:
       value.numpy()
       result["status"] = "answers"
     except Exception as e:  # pylint: disable=broad-except
-      result["status"] = f"cannot be reached ({type(e).__name__}: {_first_line(e)})"
+      result["status"] = f"cannot be reached ({type(e).__name__}: {_tf_internal.error_summary(e)})"
 
   def _collect_probes(self, probes, timeout=0.0):
     deadline = time.monotonic() + timeout

@@ -13,9 +13,10 @@ the spec (a fixed port): reconnecting after a PS restart needs it to be the same
 """
 
 from diststrat._tf import tf
+from diststrat import _arguments
 from diststrat import _devices
-from diststrat import _shared_variables
-from diststrat import _watchdog
+from diststrat.cluster import _shared_variables
+from diststrat.cluster import _watchdog
 
 PS_JOB = "ps"
 
@@ -108,12 +109,7 @@ class ClusterConnection:
 
   def canonicalize(self, devices):
     """Canonical names of `devices`; parts left out default to this task."""
-    if isinstance(devices, (str, tf.DeviceSpec)):
-      devices = (devices,)
-    result = tuple(_devices.canonicalize(d, default=self.local_task) for d in devices)
-    if len(set(result)) != len(result):
-      raise ValueError(f"Each device may appear once. Received: devices={list(devices)!r}")
-    return result
+    return _devices.canonicalize_all(devices, default=self.local_task)
 
   def create_variable(self, device, kwargs):
     """A `SharedVariable` on the PS device `device`, made from tf.Variable's `kwargs`."""
@@ -121,15 +117,12 @@ class ClusterConnection:
     scope = tf.get_current_name_scope()
     shared_name = self.names.unique(f"{scope.rstrip('/')}/{name}" if scope else name)
     with tf.init_scope():
-      initial_value = kwargs.get("initial_value")
-      if callable(initial_value):
-        initial_value = initial_value()
-      if tf.is_symbolic_tensor(initial_value):
+      if tf.is_symbolic_tensor(kwargs.get("initial_value")):
         raise ValueError(
             f"Variable {shared_name!r} is created inside a tf.function from a value "
             "computed in it. In cluster mode, create variables outside tf.function, or "
             "pass initial_value as a callable or a constant.")
-      initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
+      initial_value = _arguments.initial_value_tensor(kwargs)
       return _shared_variables.create_shared_variable(
           device=device, local_device=f"{self.local_task}/device:CPU:0",
           shared_name=shared_name, initial_value=initial_value, shape=kwargs.get("shape"),

@@ -18,8 +18,9 @@ How one is made (`create_shared_variable`):
    returns the shape the variable has. A worker that finds the variable already there
    binds to it and keeps its current value.
 3. Every operation on the variable runs on its PS device (an explicit device scope around
-   reads, assigns and scatters), where TensorFlow enqueues eager remote ops
-   asynchronously instead of wrapping each in a synchronous function call.
+   reads, assigns and scatters: `_tf_internal.RESOURCE_METHODS`), where TensorFlow
+   enqueues eager remote ops asynchronously instead of wrapping each in a synchronous
+   function call.
 
 Shared names must be the same in every worker process and unique: `SharedNames` gives
 the n-th variable that asks for the name `x` the name `x`, `x_1`, ... in creation
@@ -41,20 +42,6 @@ _RETRY_SECONDS = 2.0
 _RETRY_PAUSE = 0.25
 
 _unique_ids = itertools.count()
-
-# The methods of a resource variable that touch its resource: each runs with the
-# variable's PS device as its device scope. Not `gather_nd` and `batch_scatter_update`:
-# run eagerly on a remote device, their shape functions do not see the variable's shape
-# and fail (plain tf.Variables on a remote task fail the same way in TF 2.21); without
-# the scope, TensorFlow runs them as a small function placed by the resource, which works.
-_ON_VARIABLE_DEVICE = (
-    "_read_variable_op", "read_value", "read_value_no_copy", "sparse_read",
-    "is_initialized", "assign", "assign_add", "assign_sub", "scatter_sub", "scatter_add",
-    "scatter_max", "scatter_min", "scatter_mul", "scatter_div", "scatter_update",
-    "scatter_nd_sub", "scatter_nd_add", "scatter_nd_update", "scatter_nd_max",
-    "scatter_nd_min", "_strided_slice_assign",
-)
-
 
 class SharedNames:
   """Deterministic unique names: the n-th request for `base` gets `base`, `base_1`, ...
@@ -80,11 +67,12 @@ class SharedNames:
     return name
 
 
-class SharedVariable(_tf_internal.BaseResourceVariable):
+class SharedVariable(_tf_internal.ResourceVariableFromHandle):
   """A `tf.Variable` whose resource lives on a parameter-server task under a shared name.
 
   Made by `ParameterServerStrategy` in cluster mode; use it as any `tf.Variable`.
   `device` is its PS device; `shared_name` the name every worker process finds it by.
+  Every method that touches the resource runs with the PS device as its device scope.
   """
 
   def __init__(self, *, handle, device, shared_name, shape, dtype, trainable=None,
@@ -92,10 +80,9 @@ class SharedVariable(_tf_internal.BaseResourceVariable):
     self._ps_device = device
     self._diststrat_shared_name = shared_name
     super().__init__(
-        trainable=trainable, shape=shape, dtype=dtype, handle=handle,
-        constraint=constraint, synchronization=synchronization, aggregation=aggregation,
-        name=shared_name, unique_id=f"{shared_name}_{next(_unique_ids)}",
-        handle_name=shared_name, in_graph_mode=False)
+        handle=handle, shape=shape, dtype=dtype, name=shared_name, trainable=trainable,
+        synchronization=synchronization, aggregation=aggregation, constraint=constraint,
+        unique_id=f"{shared_name}_{next(_unique_ids)}")
 
   @property
   def device(self):
@@ -108,32 +95,24 @@ class SharedVariable(_tf_internal.BaseResourceVariable):
     return self._diststrat_shared_name
 
 
-def _on_variable_device(method):
-  @functools.wraps(method)
+def _on_variable_device(name, method):
+  """`method` run under the variable's PS device; reads get the variable's static shape.
+
+  The local copy of a remote handle carries no shape, so inside a graph a read would
+  have unknown rank (Keras layers then fail); the variable knows its shape.
+  """
+  sets_shape = name in _tf_internal.READ_METHODS
+
   def wrapper(self, *args, **kwargs):
     with tf.device(self._ps_device):  # pylint: disable=protected-access
-      return method(self, *args, **kwargs)
-  return wrapper
-
-
-def _with_static_shape(method):
-  # The local copy of a remote handle carries no shape, so inside a graph a read would
-  # have unknown rank (Keras layers then fail); the variable knows its shape.
-  @functools.wraps(method)
-  def wrapper(self, *args, **kwargs):
-    result = method(self, *args, **kwargs)
-    if isinstance(result, tf.Tensor) and not tf.executing_eagerly():
+      result = method(self, *args, **kwargs)
+    if sets_shape and isinstance(result, tf.Tensor) and not tf.executing_eagerly():
       result.set_shape(self.shape)
     return result
   return wrapper
 
 
-for _name in _ON_VARIABLE_DEVICE:
-  if hasattr(_tf_internal.BaseResourceVariable, _name):  # Older TensorFlows lack some.
-    _method = _on_variable_device(getattr(_tf_internal.BaseResourceVariable, _name))
-    if _name in ("_read_variable_op", "read_value", "read_value_no_copy"):
-      _method = _with_static_shape(_method)
-    setattr(SharedVariable, _name, _method)
+_tf_internal.wrap_resource_methods(SharedVariable, _on_variable_device)
 
 
 @functools.lru_cache(maxsize=None)

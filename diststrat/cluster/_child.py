@@ -1,6 +1,6 @@
 """What runs in a `LocalCluster` child process: a PS server, or one worker's function.
 
-The parent starts `python -c "from diststrat import _cluster_child; _cluster_child.main()" FD`
+The parent starts `python -c "from diststrat.cluster import _child; _child.main()" FD`
 where FD is its end of a socket pair, and sends one job (a dict) over it:
 
 - {"kind": "ps", ...}: start a `tf.distribute.Server` for the task, answer
@@ -22,6 +22,9 @@ import time
 import traceback
 import types
 from multiprocessing import connection
+
+from diststrat._tf import tf
+from diststrat.strategies import ParameterServerStrategy
 
 _PARENT_POLL = 0.5
 
@@ -46,7 +49,6 @@ def _load_main(main_path):
 
 
 def _serve_ps(conn, job):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   server = tf.distribute.Server(tf.train.ClusterSpec(job["cluster_spec"]),
                                 job_name=job["task_type"], task_index=job["task_id"],
                                 protocol="grpc", start=True)
@@ -73,10 +75,9 @@ def _run_worker(conn, job):
   try:
     if job.get("main_path"):
       _load_main(job["main_path"])
-    import diststrat  # pylint: disable=g-import-not-at-top
     fn = pickle.loads(job["fn"])
     kwargs = pickle.loads(job["kwargs"])
-    strategy = diststrat.ParameterServerStrategy(
+    strategy = ParameterServerStrategy(
         cluster_spec=job["cluster_spec"], task_type=job["task_type"],
         task_id=job["task_id"], **job["strategy_kwargs"])
     result = fn(strategy, **kwargs)

@@ -8,7 +8,7 @@ function with a `ParameterServerStrategy` for its task.
 
 Children are started with `subprocess` (not `multiprocessing`, whose spawn start
 method leaves a resource-tracker process behind) and talk to the parent over a socket
-pair (diststrat/_cluster_child.py). Nothing outlives the cluster:
+pair (`_child.py`). Nothing outlives the cluster:
 
 - `stop()` (also on leaving the `with` block, whatever the body raised) kills every
   child with SIGKILL, which works on frozen (SIGSTOPped) processes too, and reaps it;
@@ -37,7 +37,7 @@ DEFAULT_START_TIMEOUT = 120.0
 DEFAULT_RESULT_TIMEOUT = 600.0
 _KILL_WAIT = 10.0
 _POLL = 0.05
-_CHILD_MAIN = "from diststrat import _cluster_child; _cluster_child.main()"
+_CHILD_MAIN = "from diststrat.cluster import _child; _child.main()"
 _JOBS = ("ps", "worker")
 
 _running_clusters = weakref.WeakSet()
@@ -65,13 +65,6 @@ def free_ports(count, host="127.0.0.1"):
 
 def task_name(task_type, task_id):
   return f"/job:{task_type}/replica:0/task:{task_id}"
-
-
-def _add_note(error, text):
-  if hasattr(error, "add_note"):
-    error.add_note(text)
-  elif error.args and isinstance(error.args[0], str):
-    error.args = (f"{error.args[0]}\n{text}",) + error.args[1:]
 
 
 def _describe_exit(returncode):
@@ -219,12 +212,12 @@ class _WorkerRun:
         if not isinstance(error, BaseException):
           error = errors.ClusterError(f"{type_name} in worker task {name}: {message}",
                                       task=name)
-        _add_note(error, f"(raised in worker task {name}; its traceback:\n{text.rstrip()})")
+        errors.add_note(error, f"(raised in worker task {name}; its traceback:\n{text.rstrip()})")
       failures.append((name, error))
     if failures:
       name, error = failures[0]
       if len(failures) > 1:
-        _add_note(error, "(worker tasks " + ", ".join(n for n, _ in failures[1:]) +
+        errors.add_note(error, "(worker tasks " + ", ".join(n for n, _ in failures[1:]) +
                   " failed too)")
       raise error
     return results
@@ -300,7 +293,7 @@ class LocalCluster:
     """Starts the PS servers and waits until each listens (at most `start_timeout`)."""
     with self._lock:
       if self._state != "new":
-        raise RuntimeError(f"{self!r} was started already; a LocalCluster starts once.")
+        raise errors.ClusterError(f"{self!r} was started already; a LocalCluster starts once.")
       self._state = "running"
       _running_clusters.add(self)
       ports = free_ports(self.num_ps + self.num_workers, self._host)
@@ -371,7 +364,7 @@ class LocalCluster:
       with self._lock:
         if self._state != "running":
           child.stop()
-          raise RuntimeError(f"{self!r} was stopped while {task_name('ps', task_id)} "
+          raise errors.ClusterError(f"{self!r} was stopped while {task_name('ps', task_id)} "
                              "restarted.")
         self._ps[task_id] = child
       self._wait_ready(child, task_id, time.monotonic() + self._start_timeout)
@@ -419,7 +412,7 @@ class LocalCluster:
     with self._lock:
       self._check_running()
       if self._run is not None:
-        raise RuntimeError(f"run_on_workers() is already running on {self!r}; wait for "
+        raise errors.ClusterError(f"run_on_workers() is already running on {self!r}; wait for "
                            "it to return.")
       run = self._run = _WorkerRun(self, job)
       try:
@@ -440,7 +433,7 @@ class LocalCluster:
 
   def _check_running(self):
     if self._state != "running":
-      raise RuntimeError(f"{self!r} is not running: use it as `with LocalCluster(...) as "
+      raise errors.ClusterError(f"{self!r} is not running: use it as `with LocalCluster(...) as "
                          "cluster:` (or call start()).")
 
   def _child(self, task_type, task_id):
@@ -456,7 +449,7 @@ class LocalCluster:
       if task_type == "ps":
         child = self._ps[task_id]
         if child is None:
-          raise RuntimeError(f"{task_name('ps', task_id)} is restarting.")
+          raise errors.ClusterError(f"{task_name('ps', task_id)} is restarting.")
         return child
       if self._run is None:
         raise ValueError(

@@ -1,0 +1,29 @@
+"""Clusters of processes: `LocalCluster`, and the plumbing of cluster mode.
+
+`LocalCluster(num_ps, num_workers)` starts a cluster's server processes on free loopback
+ports and runs functions on its worker tasks, each with a strategy connected to the
+cluster. See docs/parameter_server.md.
+
+One file per concept:
+
+- `_local_cluster.py`: `LocalCluster`, the launcher (child processes, ports, faults).
+- `_child.py`: what a child process runs (a server, or one worker's function).
+- `_connection.py`: a worker's link to its cluster (spec checks, connecting, devices).
+- `_watchdog.py`: bounded cluster calls; TensorFlow faults become `ClusterError`.
+- `_shared_variables.py`: variables that live on a PS task, shared by name.
+
+Example::
+
+    import diststrat as ds
+
+    def train(strategy, steps):                 # module-level, so it can be pickled
+      ...
+      return final_loss
+
+    with ds.cluster.LocalCluster(num_ps=1, num_workers=2) as cluster:
+      losses = cluster.run_on_workers(train, steps=100)
+"""
+
+from diststrat.cluster._local_cluster import LocalCluster as LocalCluster
+
+__all__ = ["LocalCluster"]
