@@ -21,10 +21,8 @@ Usage:
   python benchmarks/mirrored_benchmark.py --quick   # a short smoke run
 """
 
-import argparse
 import json
 import os
-
 import statistics
 import subprocess
 import sys
@@ -32,8 +30,16 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+flags.DEFINE_string("out", "benchmarks/results/mirrored.json", "Where to write the JSON report.")
+flags.DEFINE_bool("quick", False, "A short smoke run.")
+flags.DEFINE_integer("rounds", None, "Timed blocks per contender (default 7; 2 with --quick).")
+flags.DEFINE_string("group", None, "Internal: run one group of contenders in this process.")
+FLAGS = flags.FLAGS
 
 NUM_DEVICES = 4
 LR = 0.01
@@ -403,13 +409,9 @@ def run_in_subprocess(group, quick, rounds):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results/mirrored.json")
-  parser.add_argument("--quick", action="store_true", help="a short smoke run")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--group", default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args()
+def main(argv):
+  del argv  # Flags only.
+  args = FLAGS
   rounds = args.rounds or (2 if args.quick else 7)
   if args.group:
     print(json.dumps(run_group(args.group, args.quick, rounds)))
@@ -481,4 +483,4 @@ def print_memory(memory):
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

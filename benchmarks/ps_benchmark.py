@@ -24,7 +24,6 @@ Usage:
   python benchmarks/ps_benchmark.py --quick        # a short smoke run
 """
 
-import argparse
 import json
 import os
 import select
@@ -37,6 +36,8 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -190,7 +191,7 @@ class _Peer:
     self.spec = {"ps": [ps], "worker": [w0, w1], "chief": [chief]}
     self.processes = []
     try:
-      servers = [self._spawn("--serve", job, str(task))
+      servers = [self._spawn(f"--serve={job}:{task}")
                  for job, task in (("ps", 0), ("worker", 0), ("worker", 1))]
       for p in servers:
         self._read_line(p, START_TIMEOUT)
@@ -286,18 +287,22 @@ def print_report(report):
         + ", ".join(f"{v:.2f}" for v in ratio["values"]))
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results/ps.json")
-  parser.add_argument("--quick", action="store_true", help="a short smoke run")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--seconds", type=float, default=None, help="timed seconds per block")
-  parser.add_argument("--serve", nargs=2, default=None, help=argparse.SUPPRESS)
-  parser.add_argument("--coordinator", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args()
+flags.DEFINE_string("out", "benchmarks/results/ps.json", "Where to write the JSON report.")
+flags.DEFINE_bool("quick", False, "A short smoke run.")
+flags.DEFINE_integer("rounds", None, "Rounds of blocks (default 4; 1 with --quick).")
+flags.DEFINE_float("seconds", None, "Timed seconds per block (default 8; 3 with --quick).")
+flags.DEFINE_string("serve", None, "Internal: serve the tf.distribute task JOB:TASK.")
+flags.DEFINE_bool("coordinator", False, "Internal: run the tf.distribute coordinator.")
+flags.DEFINE_string("spec", None, "Internal: the cluster spec, as JSON.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv  # Flags only.
+  args = FLAGS
   if args.serve:
-    return serve(json.loads(args.spec), args.serve[0], int(args.serve[1]))
+    job, task = args.serve.split(":")
+    return serve(json.loads(args.spec), job, int(task))
   if args.coordinator:
     return coordinator(json.loads(args.spec))
   rounds = args.rounds or (1 if args.quick else 4)
@@ -311,4 +316,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -16,7 +16,7 @@ class SequentialStrategy(ds.DistributionStrategy):
 
   def __init__(self, devices):
     super().__init__()
-    self._devices = ds.values.PerDevice({d: None for d in devices}).devices
+    self._devices = tuple(ds.canonicalize_device(d) for d in devices)
 
   def __repr__(self):
     return f"SequentialStrategy({list(self._devices)})"

@@ -129,6 +129,9 @@ class CrossTowerOps:
       A list with one `Mirrored` per pair, in order.
 
     Example:
+      >>> import tensorflow as tf
+      >>> from diststrat.cross_tower_ops import ReductionToOneDevice
+      >>> from diststrat.values import PerDevice
       >>> a = PerDevice({"/cpu:0": tf.constant(1.0), "/cpu:1": tf.constant(2.0)})
       >>> b = PerDevice({"/cpu:0": tf.ones([2]), "/cpu:1": tf.ones([2])})
       >>> sums = ReductionToOneDevice().batch_reduce("sum", [(a, None), (b, "/cpu:0")])
@@ -163,6 +166,8 @@ class CrossTowerOps:
       A `Mirrored` with a copy of `tensor` on each destination device.
 
     Example:
+      >>> import tensorflow as tf
+      >>> from diststrat.cross_tower_ops import ReductionToOneDevice
       >>> copies = ReductionToOneDevice().broadcast(tf.constant(1.0), ["/cpu:0", "/cpu:1"])
       >>> [float(v) for v in copies.values]
       [1.0, 1.0]

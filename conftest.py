@@ -1,4 +1,8 @@
-"""Test set-up: four logical CPU devices, configured once before TensorFlow initializes."""
+"""Test set-up for tests/ and the doctests in diststrat/: four logical CPU devices.
+
+They are configured once, before TensorFlow initializes; this file sits at the top of the
+repository so that the doctests of the package get them too.
+"""
 
 import os
 import threading

@@ -1,0 +1,300 @@
+"""One test per reach past TensorFlow's and Keras's public API (diststrat/_tf_internal.py).
+
+After a TensorFlow or Keras upgrade, the test named after the wrapper that broke fails
+here, with a message naming it, instead of deep inside a user's training step.
+"""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from diststrat import _tf_internal
+from conftest import CPUS
+
+
+def _broke(wrapper, detail):
+  return f"diststrat/_tf_internal.py: {wrapper} broke with TensorFlow {tf.__version__}: {detail}"
+
+
+# --- tower thread state -------------------------------------------------------------------
+
+
+def test_current_device():
+  with tf.device("/cpu:1"):
+    eager = _tf_internal.current_device()
+
+  @tf.function
+  def traced():
+    with tf.device("/cpu:2"):
+      return tf.constant(_tf_internal.current_device())
+
+  assert eager.endswith("CPU:1"), _broke("current_device", f"eager gave {eager!r}")
+  graph = traced().numpy().decode()
+  assert graph.upper().endswith("CPU:2"), _broke("current_device", f"graph gave {graph!r}")
+  assert _tf_internal.current_device() == "", _broke("current_device", "no scope is not ''")
+
+
+def test_variable_creator_stack_round_trips_to_another_thread():
+  seen = []
+
+  def creator(next_creator, **kwargs):
+    seen.append(kwargs.get("name"))
+    return next_creator(**kwargs)
+
+  with tf.variable_creator_scope(creator):
+    stack = _tf_internal.variable_creator_stack()
+    assert creator in _tf_internal.variable_creators(), _broke(
+        "variable_creators", "the creator in effect is not listed")
+
+  def in_thread():
+    _tf_internal.set_variable_creator_stack(stack)
+    tf.Variable(1.0, name="made_in_thread")
+
+  thread = threading.Thread(target=in_thread)
+  thread.start()
+  thread.join(30)
+  assert seen == ["made_in_thread"], _broke(
+      "variable_creator_stack/set_variable_creator_stack",
+      f"a creator installed in another thread saw {seen}")
+
+
+def test_current_control_dependencies():
+  found = []
+
+  @tf.function
+  def traced(x):
+    op = tf.print(x, output_stream="file:///dev/null")
+    with tf.control_dependencies([op]):
+      found.extend(_tf_internal.current_control_dependencies())
+    return x
+
+  traced(tf.constant(1.0))
+  assert len(found) == 1 and "Print" in found[0].type, _broke(
+      "current_control_dependencies", f"found {found}")
+  assert _tf_internal.current_control_dependencies() == []
+
+
+# --- collectives and fast calls -------------------------------------------------------------
+
+
+def test_collective_all_reduce():
+  @tf.function
+  def total():
+    outputs = []
+    for i, device in enumerate(CPUS[:2]):
+      with tf.device(device):
+        outputs.append(_tf_internal.collective_all_reduce(
+            tf.constant([float(i + 1), 10.0]), 2, 900_001, 900_000_001, mean=False,
+            timeout=30))
+    return outputs
+
+  for output in total():
+    np.testing.assert_allclose(output.numpy(), [3.0, 20.0],
+                               err_msg=_broke("collective_all_reduce", "wrong sum"))
+
+
+def test_call_flat():
+  function = tf.function(lambda a, b: [a + b, a * b]).get_concrete_function(
+      tf.constant(2.0), tf.constant(3.0))
+  assert _tf_internal._has_fast_call(type(function)), _broke(  # pylint: disable=protected-access
+      "call_flat", "ConcreteFunction._call_flat has a new signature: the slow path runs")
+  outputs = _tf_internal.call_flat(function, [tf.constant(2.0), tf.constant(5.0)])
+  assert [float(o) for o in outputs] == [7.0, 10.0], _broke("call_flat", f"gave {outputs}")
+
+
+# --- variables around a handle ---------------------------------------------------------------
+
+
+def test_resource_variable_from_handle():
+  handle = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[2], shared_name="test_from_handle",
+                                  container="")
+  tf.raw_ops.AssignVariableOp(resource=handle, value=tf.constant([1.0, 2.0]))
+  variable = _tf_internal.ResourceVariableFromHandle(
+      handle=handle, shape=tf.TensorShape([2]), dtype=tf.float32, name="test_from_handle",
+      unique_id="test_from_handle_0")
+  variable.assign_add([1.0, 1.0])
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(variable * variable)
+  grad = tape.gradient(loss, variable)
+  assert isinstance(variable, tf.Variable)
+  np.testing.assert_allclose(variable.numpy(), [2.0, 3.0],
+                             err_msg=_broke("ResourceVariableFromHandle", "assign/read"))
+  np.testing.assert_allclose(grad.numpy(), [4.0, 6.0],
+                             err_msg=_broke("ResourceVariableFromHandle", "gradient"))
+
+
+def test_wrap_resource_methods():
+  calls = []
+
+  def wrap(name, method):
+    def wrapper(self, *args, **kwargs):
+      calls.append(name)
+      return method(self, *args, **kwargs)
+    return wrapper
+
+  class Recording(_tf_internal.ResourceVariableFromHandle):
+    pass
+
+  _tf_internal.wrap_resource_methods(Recording, wrap)
+  handle = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name="test_wrap",
+                                  container="")
+  variable = Recording(handle=handle, shape=tf.TensorShape([]), dtype=tf.float32,
+                       name="test_wrap", unique_id="test_wrap_0")
+  variable.assign(2.0)
+  variable.assign_add(1.0)
+  value = variable.read_value()
+  assert float(value) == 3.0
+  assert {"assign", "assign_add", "read_value"} <= set(calls), _broke(
+      "wrap_resource_methods", f"wrapped methods not called: {calls}")
+
+
+def test_wrap_resource_methods_fails_on_a_missing_method(monkeypatch):
+  monkeypatch.setattr(_tf_internal, "RESOURCE_METHODS",
+                      _tf_internal.RESOURCE_METHODS + ("no_such_method",))
+
+  class Target(_tf_internal.ResourceVariableFromHandle):
+    pass
+
+  with pytest.raises(_tf_internal.TensorFlowInternalsError,
+                     match=r"BaseResourceVariable's methods .*missing no_such_method"):
+    _tf_internal.wrap_resource_methods(Target, lambda name, method: method)
+
+
+def test_copy_to_device():
+  with tf.device("/cpu:1"):
+    handle = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name="test_copy",
+                                    container="")
+    tf.raw_ops.AssignVariableOp(resource=handle, value=tf.constant(4.0))
+  copy = _tf_internal.copy_to_device(handle, CPUS[0])
+  assert copy.dtype == tf.resource, _broke("copy_to_device", f"dtype {copy.dtype}")
+  value = tf.raw_ops.ReadVariableOp(resource=copy, dtype=tf.float32)
+  assert float(value) == 4.0, _broke("copy_to_device", "the copied handle reads another value")
+
+
+def test_copy_to_device_reports_a_lost_connection_as_unavailable():
+  class LostTensor:
+    def _copy_to_device(self, device):
+      raise RuntimeError("Failed copying input tensor: Socket closed")
+
+  with pytest.raises(tf.errors.UnavailableError, match="Socket closed"):
+    _tf_internal.copy_to_device(LostTensor(), CPUS[0])
+
+
+# --- TensorFlow's error text ---------------------------------------------------------------
+# The cluster tests (tests/test_cluster.py) feed these real errors from killed and restarted
+# tasks; here, the formats those errors had in TensorFlow 2.21.
+
+
+def test_error_summary():
+  error = tf.errors.UnavailableError(
+      None, None, "Graph execution error:\n\nDetected at node x\n(0) UNAVAILABLE: Socket "
+      "closed\nAdditional GRPC error information from remote target /job:ps/replica:0/task:0")
+  assert _tf_internal.error_summary(error) == "UNAVAILABLE: Socket closed", _broke(
+      "error_summary", repr(_tf_internal.error_summary(error)))
+  assert len(_tf_internal.error_summary(RuntimeError("x" * 500))) == 200
+
+
+def test_tasks_named_in_error():
+  tasks = ["/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"]
+  error = tf.errors.UnavailableError(
+      None, None, "Failed to connect to /job:ps/replica:0/task:1 (Connection refused)")
+  assert _tf_internal.tasks_named_in_error(error, tasks) == tasks[1:], _broke(
+      "tasks_named_in_error", "the task in the message was not found")
+
+
+@pytest.mark.parametrize("error_type, text, restarted", [
+    (tf.errors.AbortedError, "Unable to find a context_id matching the specified one", True),
+    (tf.errors.InvalidArgumentError, "Unable to find the relevant tensor remote_handle", True),
+    (tf.errors.NotFoundError, "The remote task was probably restarted", True),
+    (tf.errors.InvalidArgumentError, "Incompatible shapes: [2] vs. [3]", False),
+    (tf.errors.UnavailableError, "context_id", False),
+])
+def test_error_means_task_restarted(error_type, text, restarted):
+  assert _tf_internal.error_means_task_restarted(error_type(None, None, text)) is restarted, \
+      _broke("error_means_task_restarted", text)
+
+
+# --- Keras -------------------------------------------------------------------------------
+
+
+def test_keras_backing_variable():
+  variable = keras.Variable(np.ones([2], np.float32))
+  inner = _tf_internal.keras_backing_variable(variable)
+  assert isinstance(inner, tf.Variable), _broke(
+      "keras_backing_variable", f"Keras {keras.__version__} variables hold no tf.Variable "
+      "in _value")
+  inner.assign([3.0, 4.0])
+  np.testing.assert_allclose(np.asarray(variable.numpy()), [3.0, 4.0])
+  assert _tf_internal.keras_backing_variable(inner) is None
+  assert _tf_internal.keras_backing_variable(tf.constant(1.0)) is None
+
+
+# --- protocols TensorFlow calls on diststrat's objects ---------------------------------------
+
+
+def _mirrored_variable(value=1.0):
+  strategy = ds.MirroredStrategy(CPUS[:2])
+  with strategy.scope():
+    return strategy, tf.Variable(value)
+
+
+def test_protocol_distributed_variables_act_as_resource_variables():
+  strategy, v = _mirrored_variable(3.0)
+  with tf.GradientTape() as tape:
+    loss = v * v
+  assert float(tape.gradient(loss, v)) == 6.0, _broke(
+      "protocol _should_act_as_resource_variable", "the tape did not watch the variable")
+  assert float(tf.convert_to_tensor(v)) == 3.0, _broke(
+      "protocol _dense_var_to_tensor", "conversion failed")
+  module = tf.Module()
+  module.v = v
+  assert list(module.variables) == [v], _broke(
+      "protocols _shared_name/_unique_id", "tf.Module does not see the variable")
+  del strategy
+
+
+def test_protocol_checkpoints_save_one_value(tmp_path):
+  strategy, v = _mirrored_variable(5.0)
+  checkpoint = tf.train.Checkpoint(v=v)
+  path = checkpoint.write(f"{tmp_path}/ckpt")
+  keys = [name for name, _ in tf.train.list_variables(path)]
+  assert "v/.ATTRIBUTES/VARIABLE_VALUE" in keys, _broke(
+      "protocol _serialize_to_tensors", f"saved keys {keys}")
+  plain = tf.Variable(0.0)
+  tf.train.Checkpoint(v=plain).read(path).assert_consumed()
+  assert float(plain) == 5.0, _broke("protocol _restore_from_tensors", "wrong value")
+  options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+  async_path = checkpoint.write(f"{tmp_path}/async", options=options)
+  checkpoint.sync()
+  tf.train.Checkpoint(v=plain).read(async_path)
+  assert float(plain) == 5.0, _broke("protocol _copy_trackable_to_cpu", "async save")
+  del strategy
+
+
+def test_protocol_slot_restore_calls_create_or_restore_slot_variable(tmp_path):
+  v = tf.Variable([1.0, 2.0])
+  optimizer = ds.optimizers.Momentum(0.1, momentum=0.9)
+  optimizer.apply_gradients([(tf.constant([1.0, 1.0]), v)])
+  path = tf.train.Checkpoint(v=v, optimizer=optimizer).write(f"{tmp_path}/slots")
+
+  fresh_v = tf.Variable([0.0, 0.0])
+  fresh = ds.optimizers.Momentum(0.1, momentum=0.9)
+  calls = []
+  original = type(fresh)._create_or_restore_slot_variable
+
+  def recording(self, *args, **kwargs):
+    calls.append(args[1] if len(args) > 1 else kwargs.get("slot_name"))
+    return original(self, *args, **kwargs)
+
+  type(fresh)._create_or_restore_slot_variable = recording
+  try:
+    tf.train.Checkpoint(v=fresh_v, optimizer=fresh).read(path)
+  finally:
+    type(fresh)._create_or_restore_slot_variable = original
+  assert calls == ["momentum"], _broke("protocol _create_or_restore_slot_variable",
+                                       f"calls {calls}")
+  np.testing.assert_allclose(fresh.get_slot(fresh_v, "momentum").numpy(), [1.0, 1.0])
