@@ -1,8 +1,12 @@
 """The exceptions diststrat raises.
 
 Wrong contexts and cluster faults are `RuntimeError` subclasses; bad arguments are
-`ValueError` subclasses, so code that catches the builtin types keeps working.
+`ValueError` subclasses, so code that catches the builtin types keeps working. Inside a
+`tf.function` they reach the caller as themselves (type, message and notes), as in eager
+mode: AutoGraph is told to let them through.
 """
+
+from diststrat import _tf_internal
 
 __all__ = [
     "ContextError",
@@ -13,6 +17,7 @@ __all__ = [
 ]
 
 
+@_tf_internal.pass_through_autograph_class
 class ContextError(RuntimeError):
   """A method was called in a context where it cannot run.
 
@@ -20,18 +25,22 @@ class ContextError(RuntimeError):
   """
 
 
+@_tf_internal.pass_through_autograph_class
 class MergeCallMismatchError(RuntimeError):
   """Some towers reached a `merge_call` that other towers returned without calling."""
 
 
+@_tf_internal.pass_through_autograph_class
 class StructureMismatchError(ValueError):
   """Towers returned (or passed to `merge_call`) structures that differ."""
 
 
+@_tf_internal.pass_through_autograph_class
 class TowerTimeoutError(RuntimeError):
   """A tower neither reached `merge_call` nor returned within the strategy's timeout."""
 
 
+@_tf_internal.pass_through_autograph_class
 class ClusterError(RuntimeError):
   """A task of a cluster died, froze or could not be reached, or a cluster was misused.
 

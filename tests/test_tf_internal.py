@@ -298,3 +298,48 @@ def test_protocol_slot_restore_calls_create_or_restore_slot_variable(tmp_path):
   assert calls == ["momentum"], _broke("protocol _create_or_restore_slot_variable",
                                        f"calls {calls}")
   np.testing.assert_allclose(fresh.get_slot(fresh_v, "momentum").numpy(), [1.0, 1.0])
+
+
+# --- AutoGraph ---------------------------------------------------------------------------
+
+
+class _Custom(Exception):
+
+  def __init__(self, code, detail):  # Not a one-string constructor: AutoGraph can't rebuild it.
+    super().__init__(f"{code}: {detail}")
+
+
+def _raise_in_converted_code(error):
+  def inner():
+    raise error
+
+  @tf.function
+  def traced():
+    inner()  # AutoGraph converts this call.
+    return 0
+
+  with pytest.raises(BaseException) as info:
+    traced()
+  return info.value
+
+
+def test_pass_through_autograph():
+  plain = _raise_in_converted_code(_Custom(1, "no"))
+  assert type(plain).__name__ == "StagingError", _broke(
+      "pass_through_autograph", "AutoGraph no longer rebuilds errors: the wrapper may go")
+  error = _Custom(2, "yes")
+  error.add_note("a note")
+  _tf_internal.pass_through_autograph(error)
+  raised = _raise_in_converted_code(error)
+  assert raised is error and raised.__notes__ == ["a note"], _broke(
+      "pass_through_autograph", f"AutoGraph raised {type(raised).__name__}: {raised}")
+
+
+def test_pass_through_autograph_class():
+  @_tf_internal.pass_through_autograph_class
+  class Marked(RuntimeError):
+    pass
+
+  raised = _raise_in_converted_code(Marked("kept"))
+  assert type(raised) is Marked and str(raised) == "kept", _broke(
+      "pass_through_autograph_class", f"AutoGraph raised {type(raised).__name__}")

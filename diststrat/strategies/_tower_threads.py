@@ -9,10 +9,15 @@ variables come out the same on every run. Parallelism comes from TensorFlow's ru
 Each tower thread starts from the calling thread's TensorFlow state: its graph (so towers
 can build a `tf.function`), name scope, variable creator stack and control
 dependencies, plus the tower's device scope and `TowerContext`. Every thread is joined
-before `run()` returns or raises, and every wait is bounded by `timeout`.
+before `run()` returns or raises, and every wait is bounded by `timeout`, with one
+exception: a tower that is still running its own code when the call fails (it timed out,
+or another tower failed while it ran) cannot be stopped by Python. Its error is raised at
+once; the thread is left to finish in the background (it unwinds at its next
+`merge_call` or return), logged as a warning, and listed by `abandoned_tower_threads()`.
 """
 
 import contextlib
+import logging
 import threading
 
 from diststrat._tf import tf
@@ -25,6 +30,23 @@ DEFAULT_TOWER_TIMEOUT = 600.0
 """Seconds a tower may run between two pauses before the call fails (not a hang)."""
 
 _JOIN_TIMEOUT = 30.0
+"""Seconds to wait for a paused tower to unwind after the call failed."""
+
+logger = logging.getLogger("diststrat")
+_abandoned = []  # Tower threads still running their code when their call failed.
+_abandoned_lock = threading.Lock()
+
+
+def abandoned_tower_threads():
+  """Tower threads whose call failed while they ran their own code, still alive.
+
+  Each one ends by itself when its code reaches a `merge_call` or returns (it then
+  unwinds without running further). Useful in tests and to check that a long-lived
+  process is not accumulating stuck threads.
+  """
+  with _abandoned_lock:
+    _abandoned[:] = [t for t in _abandoned if t.is_alive()]
+    return list(_abandoned)
 
 
 class _Aborted(BaseException):
@@ -79,6 +101,7 @@ class _Tower:
     self.go = threading.Event()      # caller -> tower: run until the next pause
     self.paused = threading.Event()  # tower -> caller: at merge_call, or finished
     self.aborted = False
+    self.running = False  # Between "go" and its next pause: running its own code.
     self.done = False
     self.result = None
     self.error = None
@@ -112,6 +135,7 @@ class _Tower:
       self.error = e
     finally:
       self.done = True
+      self.running = False
       self.paused.set()
 
   def shared_variable(self, kwargs, create):
@@ -145,6 +169,7 @@ class _Tower:
     """Called in the tower thread by merge_call: hand over, wait, return our part."""
     self.merge_fn, self.merge_args, self.merge_kwargs = merge_fn, args, kwargs
     self.merge_name_scope = tf.get_current_name_scope()
+    self.running = False
     self.paused.set()
     self._wait_for_go()
     result, self.merge_result = self.merge_result, None
@@ -186,10 +211,25 @@ class TowerRunner:
       self._abort(towers)
       raise
     finally:
-      for tower in towers:
-        tower.thread.join(_JOIN_TIMEOUT)
+      self._join(towers)
+
+  def _join(self, towers):
+    """Joins every tower thread; one still running its own code is left (see module doc)."""
+    for tower in towers:
+      if tower.running:
+        continue
+      tower.thread.join(_JOIN_TIMEOUT)
+    stuck = [t for t in towers if t.thread.is_alive()]
+    if stuck:
+      with _abandoned_lock:
+        _abandoned.extend(t.thread for t in stuck)
+      logger.warning(
+          "diststrat: tower(s) %s of %r were still running their code when the call "
+          "failed; their threads finish in the background and stop at their next "
+          "merge_call or return.", [t.tower_id for t in stuck], self.strategy)
 
   def _step(self, tower):
+    tower.running = True
     tower.go.set()
     if not tower.paused.wait(self.timeout):
       raise errors.TowerTimeoutError(
@@ -203,6 +243,8 @@ class TowerRunner:
       error = tower.error
       errors.add_note(error, f"(raised in tower {tower.tower_id} of {self.strategy!r}, "
                      f"on device {tower.device})")
+      # Inside a tf.function, AutoGraph would rebuild the error without its notes.
+      _tf_internal.pass_through_autograph(error)
       raise error.with_traceback(error.__traceback__)
 
   def _mismatch(self, towers):
@@ -216,6 +258,7 @@ class TowerRunner:
 
   def _merge(self, towers):
     first = towers[0]
+    self._check_same_merge_fn(towers)
     merged_args = _wrapped.regroup([t.merge_args for t in towers], self.devices)
     merged_kwargs = _wrapped.regroup([t.merge_kwargs for t in towers], self.devices)
     with contextlib.ExitStack() as stack:
@@ -226,16 +269,55 @@ class TowerRunner:
         result = first.merge_fn(self.strategy, *merged_args, **merged_kwargs)
       except BaseException as e:
         if not isinstance(e, _Aborted):
-          errors.add_note(e, f"(raised in merge_fn {getattr(first.merge_fn, '__name__', '')} "
+          errors.add_note(e, f"(raised in merge_fn {_describe_fn(first.merge_fn)} "
                          f"called by towers 0-{len(towers) - 1} of {self.strategy!r})")
+          _tf_internal.pass_through_autograph(e)
         raise
     for tower in towers:
       tower.merge_result = _wrapped.select_device(tower.device, result)
+
+  def _check_same_merge_fn(self, towers):
+    groups = []  # [(merge_fn, [tower ids])], by sameness
+    for tower in towers:
+      for fn, ids in groups:
+        if _same_function(fn, tower.merge_fn):
+          ids.append(tower.tower_id)
+          break
+      else:
+        groups.append((tower.merge_fn, [tower.tower_id]))
+    if len(groups) > 1:
+      described = "; ".join(f"towers {ids} passed {_describe_fn(fn)}" for fn, ids in groups)
+      raise errors.MergeCallMismatchError(
+          f"Towers passed different merge_fns to one merge_call() in {self.strategy!r}: "
+          f"{described}. Every tower must call merge_call() with the same function at the "
+          "same point (check for branches on tower_id around merge_call).")
 
   def _abort(self, towers):
     for tower in towers:
       tower.aborted = True
       tower.go.set()
+
+
+def _same_function(a, b):
+  """Whether two merge_fns are the same function: equal, or closures of one `def`.
+
+  Each tower runs the same code, so a function defined inside the tower function is a
+  new object in every tower; it is still the same function if its code is.
+  """
+  if a is b or a == b:
+    return True
+  self_a, self_b = getattr(a, "__self__", None), getattr(b, "__self__", None)
+  if self_a is not self_b:
+    return False
+  code_a = getattr(getattr(a, "__func__", a), "__code__", None)
+  code_b = getattr(getattr(b, "__func__", b), "__code__", None)
+  return code_a is not None and code_a is code_b
+
+
+def _describe_fn(fn):
+  """A function's name, the same whether or not AutoGraph converted it."""
+  name = getattr(fn, "__name__", None) or type(fn).__name__
+  return name[len("tf__"):] if name.startswith("tf__") else name
 
 
 def _autograph(fn):

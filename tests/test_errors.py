@@ -1,0 +1,169 @@
+"""Errors keep their type, message and tower in eager mode and inside tf.function (SPEC 10).
+
+Each case runs the same tower code twice, eagerly and traced by `tf.function`, and the two
+errors must be of the same type with the same text (message and notes).
+"""
+
+import threading
+import time
+
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from diststrat import errors
+from diststrat.strategies import _tower_threads
+from conftest import CPUS
+
+
+def _text(error):
+  return str(error) + "".join("\n" + n for n in getattr(error, "__notes__", []))
+
+
+def _raised(strategy, fn, mode):
+  """The exception `call_for_each_tower(fn)` raises, run eagerly or inside tf.function."""
+  def call():
+    return strategy.call_for_each_tower(fn)
+
+  if mode == "function":
+    call = tf.function(call)
+  with strategy.scope():
+    with pytest.raises(BaseException) as info:
+      call()
+  return info.value
+
+
+def _same_in_both_modes(strategy, fn):
+  eager = _raised(strategy, fn, "eager")
+  traced = _raised(strategy, fn, "function")
+  assert type(traced) is type(eager), f"eager: {type(eager)}, tf.function: {type(traced)}"
+  assert _text(traced) == _text(eager)
+  return eager
+
+
+def test_a_towers_exception_keeps_type_and_tower():
+  def fn():
+    if ds.get_tower_context().tower_id == 3:
+      raise KeyError("boom")
+    ds.get_tower_context().merge_call(lambda s: None)
+
+  error = _same_in_both_modes(ds.MirroredStrategy(CPUS), fn)
+  assert isinstance(error, KeyError)
+  assert "(raised in tower 3 of MirroredStrategy" in _text(error)
+
+
+def test_nested_merge_fn_exception_keeps_type_and_every_level():
+  strategy = ds.MirroredStrategy(CPUS[:2])
+
+  def inner():
+    if ds.get_tower_context().tower_id == 1:
+      raise TypeError("deep")
+
+  def fn():
+    ds.get_tower_context().merge_call(lambda s: s.call_for_each_tower(inner))
+
+  error = _same_in_both_modes(strategy, fn)
+  assert isinstance(error, TypeError) and "deep" in str(error)
+  text = _text(error)
+  assert "(raised in tower 1 of" in text and "(raised in merge_fn" in text
+
+
+def test_merge_call_mismatch_is_a_runtime_error_in_both_modes():
+  def fn():
+    if ds.get_tower_context().tower_id in (1, 3):
+      return None
+    return ds.get_tower_context().merge_call(lambda s: 1)
+
+  error = _same_in_both_modes(ds.MirroredStrategy(CPUS), fn)
+  assert isinstance(error, errors.MergeCallMismatchError) and isinstance(error, RuntimeError)
+  assert "Towers [0, 2] called merge_call() but towers [1, 3] returned" in str(error)
+
+
+def test_context_error_in_a_tower_in_both_modes():
+  strategy = ds.MirroredStrategy(CPUS[:2])
+
+  def fn():
+    return strategy.reduce("sum", 1.0)
+
+  error = _same_in_both_modes(strategy, fn)
+  assert isinstance(error, errors.ContextError)
+  assert "Use get_tower_context().merge_call(merge_fn, ...)" in str(error)
+  assert "(raised in tower 0 of" in _text(error)
+
+
+def test_structure_mismatch_in_both_modes():
+  def fn():
+    return (1.0, 2.0) if ds.get_tower_context().tower_id == 0 else [1.0, 2.0]
+
+  error = _same_in_both_modes(ds.MirroredStrategy(CPUS[:2]), fn)
+  assert isinstance(error, errors.StructureMismatchError)
+  assert "tower 0 gave (*, *) and tower 1 gave [*, *]" in str(error)
+
+
+def _first(strategy, x):
+  return x
+
+
+def _second(strategy, x):
+  return x
+
+
+def test_different_merge_fns_raise_naming_towers_and_functions():
+  def fn():
+    tower = ds.get_tower_context()
+    merge_fn = _first if tower.tower_id % 2 == 0 else _second
+    return tower.merge_call(merge_fn, 1.0)
+
+  error = _same_in_both_modes(ds.MirroredStrategy(CPUS), fn)
+  assert isinstance(error, errors.MergeCallMismatchError)
+  message = str(error)
+  assert "towers [0, 2] passed _first; towers [1, 3] passed _second." in message
+
+
+def test_closures_of_one_def_and_bound_methods_are_the_same_merge_fn():
+  class Holder:
+    def merge(self, strategy, x):
+      return strategy.reduce("sum", x)
+
+  holder = Holder()
+
+  def fn():
+    tower = ds.get_tower_context()
+
+    def local_merge(strategy, x):  # A new function object in every tower.
+      return strategy.reduce("sum", x)
+
+    a = tower.merge_call(local_merge, tf.constant(1.0))
+    b = tower.merge_call(holder.merge, tf.constant(2.0))
+    return a + b
+
+  strategy = ds.MirroredStrategy(CPUS)
+  with strategy.scope():
+    result = strategy.call_for_each_tower(fn)
+  assert [float(v) for v in result.values] == [12.0] * 4
+
+
+def test_tower_timeout_fires_at_its_bound(no_thread_leak):
+  # no_thread_leak joins leftover threads for 5 s: the blocked tower is released at 2 s.
+  strategy = ds.MirroredStrategy(CPUS[:2], tower_timeout=1.0)
+  release = threading.Event()
+
+  def fn():
+    if ds.get_tower_context().tower_id == 0:
+      release.wait(30)
+    ds.get_tower_context().merge_call(lambda s: None)
+
+  threading.Timer(2.0, release.set).start()
+  start = time.monotonic()
+  with strategy.scope():
+    with pytest.raises(errors.TowerTimeoutError, match=r"Tower 0 of .* neither reached "
+                       r"merge_call\(\) nor returned within 1 s"):
+      strategy.call_for_each_tower(fn)
+  elapsed = time.monotonic() - start
+  assert elapsed < 1.5, f"the 1 s timeout fired after {elapsed:.2f} s"
+  stuck = _tower_threads.abandoned_tower_threads()
+  assert [t.name for t in stuck] == ["diststrat-tower-0"]
+  release.set()
+  stuck[0].join(10)
+  assert not stuck[0].is_alive()
+  assert _tower_threads.abandoned_tower_threads() == []
