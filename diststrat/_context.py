@@ -32,6 +32,7 @@ import typing
 
 from diststrat._tf import tf
 from diststrat import _devices
+from diststrat import _tf_internal
 from diststrat import errors
 
 _state = threading.local()
@@ -256,3 +257,50 @@ def describe_current_context():
   if mode.tower_context is not None:
     return f"the tower context of tower {mode.tower_context.tower_id} of {mode.strategy!r}"
   return f"the cross-tower context of {mode.strategy!r}"
+
+
+class ThreadState:
+  """This thread's diststrat and TensorFlow state, to carry into another thread.
+
+  Made in one thread, entered in another (`with state.enter():`): the other thread then
+  runs in the same diststrat context (strategy, tower or cross-tower, update device) and
+  with the same TensorFlow state: graph (so it can add to a `tf.function` being traced),
+  name scope, variable creator stack, control dependencies and device scope. Tower
+  threads and the cluster watchdog's helper thread start from one.
+  """
+
+  def __init__(self):
+    self.eager = tf.executing_eagerly()
+    self.graph = tf.compat.v1.get_default_graph()
+    self.name_scope = tf.get_current_name_scope()
+    self.creator_stack = _tf_internal.variable_creator_stack()
+    self.control_inputs = _tf_internal.current_control_dependencies()
+    self.device = _tf_internal.current_device()
+    self.modes = list(_stack())
+    self.update_devices = list(getattr(_state, "update_devices", None) or [])
+
+  @contextlib.contextmanager
+  def enter(self, device=None):
+    """Runs the body with this state; `device`, if given, replaces the device scope."""
+    with contextlib.ExitStack() as stack:
+      if not self.eager:
+        stack.enter_context(self.graph.as_default())
+      saved_creators = _tf_internal.variable_creator_stack()
+      _tf_internal.set_variable_creator_stack(self.creator_stack)
+      stack.callback(_tf_internal.set_variable_creator_stack, saved_creators)
+      if self.control_inputs:
+        stack.enter_context(self.graph.control_dependencies(self.control_inputs))
+      if self.name_scope:
+        stack.enter_context(tf.name_scope(self.name_scope + "/"))
+      if device or self.device:
+        stack.enter_context(tf.device(device or self.device))
+      saved_modes, saved_updates = list(_stack()), getattr(_state, "update_devices", None)
+      _state.stack = list(self.modes)
+      _state.update_devices = list(self.update_devices)
+
+      def restore():
+        _state.stack = saved_modes
+        _state.update_devices = saved_updates
+
+      stack.callback(restore)
+      yield

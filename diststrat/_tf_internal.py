@@ -22,7 +22,11 @@ Reaches, by what needs them:
   `RESOURCE_METHODS`, `wrap_resource_methods`), and no public op brings a remote
   resource handle to this process (`copy_to_device`).
 - Cluster faults are told apart only by the text of TensorFlow's errors
-  (`error_summary`, `tasks_named_in_error`, `error_means_task_restarted`).
+  (`error_summary`, `tasks_named_in_error`, `error_means_task_restarted`,
+  `error_means_connection_lost`), and reach the
+  user from inside TensorFlow's own calls (an op, a `tf.function` step), where only a
+  hook in TensorFlow's error path can give them diststrat's type
+  (`install_error_translator`).
 - Keras 3 variables hold their TensorFlow variable in `_value`
   (`keras_backing_variable`).
 - Inside `tf.function`, AutoGraph rebuilds errors raised in converted code from their
@@ -46,6 +50,8 @@ import inspect
 import re
 
 from tensorflow.python.eager import context as _eager_context  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.eager import core as _eager_core  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.eager import execute as _execute  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import ops as _ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import collective_ops as _collective_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
@@ -228,7 +234,8 @@ def wrap_resource_methods(cls, wrap):
 
 
 _CONNECTION_LOST = re.compile(
-    r"failed to connect|Connection refused|Connection reset|Socket closed|UNAVAILABLE")
+    r"failed to connect|Connection refused|Connection reset|Socket closed|UNAVAILABLE|"
+    r"grpc_status:14", re.IGNORECASE)
 
 
 def copy_to_device(tensor, device):
@@ -272,6 +279,15 @@ def tasks_named_in_error(error, tasks):
   return [t for t in tasks if t in named]
 
 
+def error_means_connection_lost(error):
+  """Whether an error's text says a connection to a remote task failed.
+
+  TensorFlow reports some lost connections as `InternalError` or `UnknownError` ("This
+  should never happen"), with the gRPC status (14, UNAVAILABLE) only in the text.
+  """
+  return bool(_CONNECTION_LOST.search(str(error)))
+
+
 def error_means_task_restarted(error):
   """Whether a TensorFlow error says a remote task restarted (its state is gone).
 
@@ -281,6 +297,71 @@ def error_means_task_restarted(error):
   return isinstance(error, (tf.errors.AbortedError, tf.errors.InvalidArgumentError,
                             tf.errors.NotFoundError)) and bool(
                                 _RESTARTED_PATTERN.search(str(error)))
+
+
+_TRANSLATOR_MARK = "_diststrat_translator"
+# Where TensorFlow 2.21 raises errors of eager ops and function calls: ops on the fast
+# path build them in core._status_to_exception; the others, and every tf.function call,
+# come out of execute.quick_execute (also named execute.execute, and used by
+# execute_with_cancellation's callers).
+_EXECUTE_NAMES = ("quick_execute", "execute", "execute_with_cancellation")
+
+
+def _wrap_raising(function, translate):
+  def wrapper(*args, **kwargs):
+    try:
+      return function(*args, **kwargs)
+    except tf.errors.OpError as e:
+      translated = _translate_safely(translate, e)
+      if translated is e:
+        raise
+      raise translated from e
+  setattr(wrapper, _TRANSLATOR_MARK, function)
+  return wrapper
+
+
+def _translate_safely(translate, error):
+  try:
+    return translate(error)
+  except Exception:  # pylint: disable=broad-except
+    return error  # A translator that fails leaves the error as TensorFlow made it.
+
+
+def install_error_translator(translate):
+  """Passes every error raised by an eager op or a `tf.function` call to `translate`.
+
+  `translate(error)` returns the exception to raise: the same one, or another (raised
+  from it). Installing again replaces the translator; `uninstall_error_translator`
+  restores TensorFlow's own functions.
+
+  Raises:
+    TensorFlowInternalsError: TensorFlow no longer has the functions it wraps.
+  """
+  uninstall_error_translator()
+  missing = [n for n in _EXECUTE_NAMES if not callable(getattr(_execute, n, None))]
+  if not callable(getattr(_eager_core, "_status_to_exception", None)):
+    missing.append("core._status_to_exception")
+  if missing:
+    raise _missing("TensorFlow's eager error path", f"missing {', '.join(missing)}, so "
+                   "cluster faults would keep TensorFlow's error types")
+  for name in _EXECUTE_NAMES:
+    setattr(_execute, name, _wrap_raising(getattr(_execute, name), translate))
+  original = _eager_core._status_to_exception  # pylint: disable=protected-access
+
+  def status_to_exception(status):
+    return _translate_safely(translate, original(status))
+
+  setattr(status_to_exception, _TRANSLATOR_MARK, original)
+  _eager_core._status_to_exception = status_to_exception  # pylint: disable=protected-access
+
+
+def uninstall_error_translator():
+  """Restores TensorFlow's own error path (undoes `install_error_translator`)."""
+  for module, names in ((_execute, _EXECUTE_NAMES), (_eager_core, ("_status_to_exception",))):
+    for name in names:
+      original = getattr(getattr(module, name, None), _TRANSLATOR_MARK, None)
+      if original is not None:
+        setattr(module, name, original)
 
 
 # --- Keras ---------------------------------------------------------------------------

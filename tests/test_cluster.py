@@ -10,6 +10,7 @@ after each one that no child process is left.
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -409,6 +410,64 @@ def _through_ps_failure_fn(strategy, ckpt_dir, sync_dir, steps_before, steps_aft
           "not_reconnected": not_reconnected}
 
 
+def _every_path_fn(strategy, sync_dir, ckpt_dir):
+  """After PS task 1 is killed: every way a user touches its variable raises ClusterError
+  naming it; after its restart, before reconnect(), the error says to reconnect."""
+  with strategy.scope():
+    w = tf.Variable([1.0, 2.0], name="w")  # On PS task 0 (least loaded: both empty).
+    v = tf.Variable([3.0, 4.0], name="v")  # On PS task 1.
+    opt = ds.optimizers.GradientDescent(0.1)
+  checkpoint = tf.train.Checkpoint(w=w, v=v)
+
+  @tf.function
+  def direct_step():
+    return tf.reduce_sum(v * w)
+
+  def optimizer_step():
+    strategy.call_for_each_tower(lambda: opt.minimize(lambda: tf.reduce_sum(v * v),
+                                                      var_list=[v]))
+
+  paths = {
+      "assign_add": lambda: v.assign_add([1.0, 1.0]),
+      "numpy": v.numpy,
+      "update": lambda: strategy.update(v, lambda c: c.assign_sub([1.0, 1.0])),
+      "reduce": lambda: strategy.reduce(
+          "sum", strategy.call_for_each_tower(lambda: tf.ones([2])), destinations=v),
+      "read_var": lambda: strategy.read_var(v),
+      "tf.function step": direct_step,
+      "optimizer step": optimizer_step,
+      "checkpoint save": lambda: checkpoint.save(os.path.join(ckpt_dir, "ckpt")),
+  }
+  assert float(direct_step()) == 11.0  # Works before the fault.
+  _write(os.path.join(sync_dir, "ready"))
+  _wait_for_file(os.path.join(sync_dir, "fault"), timeout=60)
+  outcomes = {}
+  with strategy.scope():
+    for name, path in paths.items():
+      start = time.monotonic()
+      try:
+        path()
+        outcomes[name] = ("no error", None, "", 0.0)
+      except Exception as e:  # pylint: disable=broad-except
+        outcomes[name] = (type(e).__name__, getattr(e, "task", None), str(e),
+                          time.monotonic() - start)
+  _write(os.path.join(sync_dir, "need_restart"))
+  _wait_for_file(os.path.join(sync_dir, "restarted"), timeout=60)
+  before_reconnect, start = None, time.time()
+  while time.time() - start < 30:  # gRPC may refuse a few times while it reconnects.
+    try:
+      v.assign_add([1.0, 1.0])
+    except ClusterError as e:
+      before_reconnect = (str(e), e.task)
+      if "restarted since" in str(e):
+        break
+    time.sleep(0.2)
+  strategy.reconnect()
+  v.assign([5.0, 6.0])  # The restarted task lost v; a checkpoint restore would go here.
+  return {"outcomes": outcomes, "before_reconnect": before_reconnect,
+          "after_reconnect": float(direct_step())}
+
+
 def _boom_fn(strategy):
   if strategy.task_id == 1:
     raise KeyError("no such key in task 1")
@@ -570,6 +629,29 @@ def test_killed_ps_raises_cluster_error_then_restart_and_restore_resume(tmp_path
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_every_path_to_a_killed_ps_raises_cluster_error_naming_it(tmp_path):
+  sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
+  sync_dir.mkdir()
+  with _cluster(num_ps=2, step_timeout=5.0) as cluster:
+    join = _fault_and_restart(cluster, str(sync_dir), "ps", 1, signal.SIGKILL)
+    [r] = cluster.run_on_workers(_every_path_fn, sync_dir=str(sync_dir),
+                                 ckpt_dir=str(ckpt_dir))
+    join()
+  assert len(r["outcomes"]) == 8
+  for path, (error_type, task, message, elapsed) in r["outcomes"].items():
+    assert (error_type, task) == ("ClusterError", PS1), (path, error_type, message)
+    # Either the failed op ("cannot be reached: it died") or, for an op TensorFlow never
+    # fails, the watchdog at step_timeout ("waiting on ..., which cannot be reached").
+    assert re.search(rf"{PS1}( cannot be reached: it died|, which cannot be reached)",
+                     message), (path, message)
+    assert elapsed < 5.0 + 3.0, (path, elapsed)
+  message, task = r["before_reconnect"]
+  assert task == PS1 and f"Parameter server task {PS1} restarted since" in message
+  assert "Call strategy.reconnect()" in message and "died" not in message
+  assert r["after_reconnect"] == pytest.approx(1.0 * 5.0 + 2.0 * 6.0)
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_frozen_ps_is_reported_by_the_watchdog(tmp_path):
   sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
   sync_dir.mkdir()
@@ -653,7 +735,19 @@ def test_local_cluster_errors_and_cleanup():
     ({"ps": "127.0.0.1:1", "worker": ["127.0.0.1:2"]}, {},
      r"cluster_spec\['ps'\] must be a list of 'host:port' addresses"),
     ({"ps": ["127.0.0.1"], "worker": ["127.0.0.1:2"]}, {},
-     r"cluster_spec\['ps'\] must hold 'host:port' strings"),
+     r"cluster_spec\['ps'\] must hold 'host:port' addresses with a port from 1 to 65535.*"
+     r"Received: '127.0.0.1'"),
+    ({"ps": ["127.0.0.1:abc"], "worker": ["127.0.0.1:2"]}, {},
+     r"cluster_spec\['ps'\] must hold 'host:port' addresses .*Received: '127.0.0.1:abc'"),
+    ({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:70000"]}, {},
+     r"cluster_spec\['worker'\] must hold 'host:port' addresses .*Received: '127.0.0.1:70000'"),
+    ({"ps": [":2222"], "worker": ["127.0.0.1:2"]}, {},
+     r"must hold 'host:port' addresses .*Received: ':2222'"),
+    ({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, {"step_timeout": "3"},
+     r"step_timeout must be a positive number of seconds, or None for no limit. "
+     r"Received: step_timeout='3'"),
+    ({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, {"step_timeout": True},
+     r"step_timeout must be a positive number of seconds"),
     ({"ps": {1: "127.0.0.1:1"}, "worker": ["127.0.0.1:2"]}, {},
      r"cluster_spec\['ps'\] as a dict must map task ids 0..n-1 to addresses"),
     ({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, {"task_type": "ps"},

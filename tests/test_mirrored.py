@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import diststrat as ds
 from diststrat.values import Mirrored, MirroredVariable, PerDevice, TowerLocalVariable
+from diststrat.strategies import _tower_threads
 from conftest import CPUS
 
 TOWER_COUNTS = [1, 2, 4]
@@ -444,6 +445,9 @@ def test_tower_timeout_is_bounded():
                                            r"returned within 0.5 s"):
       s.call_for_each_tower(fn)
   release.set()
+  for thread in _tower_threads.abandoned_tower_threads():  # The blocked tower, released.
+    thread.join(10)
+  assert not _tower_threads.abandoned_tower_threads()
 
 
 def test_thousand_calls_leave_no_threads(no_thread_leak):

@@ -343,3 +343,47 @@ def test_pass_through_autograph_class():
   raised = _raise_in_converted_code(Marked("kept"))
   assert type(raised) is Marked and str(raised) == "kept", _broke(
       "pass_through_autograph_class", f"AutoGraph raised {type(raised).__name__}")
+
+
+def test_install_error_translator():
+  seen = []
+
+  def translate(error):
+    seen.append(type(error).__name__)
+    return KeyError("translated")
+
+  @tf.function
+  def traced(x):
+    tf.debugging.assert_equal(x, 0.0, message="must be zero")
+    return x
+
+  paths = {
+      "fast-path eager op": lambda: tf.reshape(tf.zeros([6]), [4]),
+      "fallback eager op": lambda: tf.raw_ops.Reshape(tensor=tf.zeros([6]), shape=[4]),
+      "tf.function call": lambda: traced(tf.constant(1.0)),
+  }
+  _tf_internal.install_error_translator(translate)
+  try:
+    for path, call in paths.items():
+      with pytest.raises(KeyError, match="translated"):
+        call()
+      assert len(seen) == list(paths).index(path) + 1, _broke(
+          "install_error_translator", f"the {path}'s error was not translated")
+  finally:
+    _tf_internal.uninstall_error_translator()
+  with pytest.raises(tf.errors.InvalidArgumentError):
+    tf.reshape(tf.zeros([6]), [4])
+  with pytest.raises(tf.errors.InvalidArgumentError):
+    traced(tf.constant(1.0))
+
+
+@pytest.mark.parametrize("error_type, text, lost", [
+    (tf.errors.InternalError, "This should never happen. Additional GRPC error information "
+     "from remote target /job:ps/replica:0/task:1 while calling /tensorflow.WorkerService/"
+     "RecvTensor: {grpc_status:14, grpc_message:\"failed to connect to all addresses\"}", True),
+    (tf.errors.UnavailableError, "Socket closed", True),
+    (tf.errors.InternalError, "Blas GEMM launch failed", False),
+])
+def test_error_means_connection_lost(error_type, text, lost):
+  assert _tf_internal.error_means_connection_lost(error_type(None, None, text)) is lost, \
+      _broke("error_means_connection_lost", text)

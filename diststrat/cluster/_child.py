@@ -13,6 +13,7 @@ process outlives the cluster, and ends with `os._exit` so that a step thread sti
 blocked in TensorFlow cannot hold the exit up.
 """
 
+import faulthandler
 import os
 import pickle
 import runpy
@@ -94,6 +95,7 @@ def _run_worker(conn, job):
 
 def main():
   """Entry point of a child process (see the module docstring)."""
+  faulthandler.enable()  # A crash (SIGSEGV, SIGABRT) leaves a Python trace on stderr.
   conn = connection.Connection(int(sys.argv[1]))
   job = conn.recv()
   threading.Thread(target=_exit_when_orphaned, args=(job["parent_pid"],), daemon=True,

@@ -15,6 +15,7 @@ the spec (a fixed port): reconnecting after a PS restart needs it to be the same
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
+from diststrat import _tf_internal
 from diststrat.cluster import _shared_variables
 from diststrat.cluster import _watchdog
 
@@ -32,10 +33,21 @@ def _check_addresses(job, addresses):
     raise ValueError(f"cluster_spec[{job!r}] must be a list of 'host:port' addresses. "
                      f"Received: {addresses!r}")
   for address in addresses:
-    if not isinstance(address, str) or ":" not in address:
-      raise ValueError(f"cluster_spec[{job!r}] must hold 'host:port' strings. Received "
-                       f"{address!r} in {list(addresses)!r}")
+    _check_address(job, address)
   return list(addresses)
+
+
+def _check_address(job, address):
+  """Raises ValueError unless `address` is 'host:port' with a port from 1 to 65535."""
+  host, port = None, None
+  if isinstance(address, str):
+    host, _, port = address.rpartition(":")
+  if host.startswith("[") and host.endswith("]"):  # An IPv6 address: "[::1]:2222".
+    host = host[1:-1]
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ValueError(
+        f"cluster_spec[{job!r}] must hold 'host:port' addresses with a port from 1 to "
+        f"65535, such as '127.0.0.1:2222' or '[::1]:2222'. Received: {address!r}")
 
 
 def normalize_cluster_spec(cluster_spec, task_type, task_id):
@@ -87,10 +99,13 @@ class ClusterConnection:
     self.guard = _watchdog.StepGuard(self.ps_tasks, lambda task: f"{task}/device:CPU:0",
                                      step_timeout, name)
     self.names = _shared_variables.SharedNames()
+    # From now on, a task's death raised by any op of this process names the task.
+    _tf_internal.install_error_translator(_watchdog.translate_error)
     self.connect()
 
   def connect(self):
     """Connects (again) to every PS task; bounded by the step timeout."""
+    self.guard.clear_failure()
     view = tf.train.ClusterSpec({
         PS_JOB: self.spec[PS_JOB],
         self.task_type: {self.task_id: self.spec[self.task_type][self.task_id]},
@@ -128,4 +143,4 @@ class ClusterConnection:
           shared_name=shared_name, initial_value=initial_value, shape=kwargs.get("shape"),
           trainable=kwargs.get("trainable"), synchronization=kwargs.get("synchronization"),
           aggregation=kwargs.get("aggregation"), constraint=kwargs.get("constraint"),
-          run=self.guard.run)
+          guard=self.guard)

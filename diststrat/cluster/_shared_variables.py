@@ -76,8 +76,9 @@ class SharedVariable(_tf_internal.ResourceVariableFromHandle):
   """
 
   def __init__(self, *, handle, device, shared_name, shape, dtype, trainable=None,
-               synchronization=None, aggregation=None, constraint=None):
+               synchronization=None, aggregation=None, constraint=None, guard=None):
     self._ps_device = device
+    self._guard = guard
     self._diststrat_shared_name = shared_name
     super().__init__(
         handle=handle, shape=shape, dtype=dtype, name=shared_name, trainable=trainable,
@@ -95,15 +96,35 @@ class SharedVariable(_tf_internal.ResourceVariableFromHandle):
     return self._diststrat_shared_name
 
 
+# Eager writes run as these ops, called in a small tf.function (see _on_variable_device).
+_ASSIGN_OPS = {"assign": "AssignVariableOp", "assign_add": "AssignAddVariableOp",
+               "assign_sub": "AssignSubVariableOp"}
+_SCATTER_OPS = {f"scatter_{kind}": f"ResourceScatter{kind.capitalize()}"
+                for kind in ("sub", "add", "max", "min", "mul", "div", "update")}
+_SCATTER_ND_OPS = {f"scatter_nd_{kind}": f"ResourceScatterNd{kind.capitalize()}"
+                   for kind in ("sub", "add", "update", "max", "min")}
+
+
 def _on_variable_device(name, method):
   """`method` run under the variable's PS device; reads get the variable's static shape.
 
   The local copy of a remote handle carries no shape, so inside a graph a read would
   have unknown rank (Keras layers then fail); the variable knows its shape.
+
+  Eagerly, two TensorFlow 2.21 behaviours of remote ops are worked around. An eager
+  write is asynchronous and, after a task failed, can lose its error: writes run as a
+  small `tf.function` instead, which fails with the task's error. An eager read issued
+  from another thread than the one that saw a task fail can block forever, holding the
+  GIL: once the connection has seen a failure, every eager method raises `ClusterError`
+  at once, until `reconnect()`.
   """
   sets_shape = name in _tf_internal.READ_METHODS
 
   def wrapper(self, *args, **kwargs):
+    if self._guard is not None and tf.executing_eagerly():  # pylint: disable=protected-access
+      self._guard.check_healthy(f"{name.lstrip('_')}() of variable {self.shared_name!r}")  # pylint: disable=protected-access
+      if name in _ASSIGN_OPS or name in _SCATTER_OPS or name in _SCATTER_ND_OPS:
+        return _eager_write(self, name, *args, **kwargs)
     with tf.device(self._ps_device):  # pylint: disable=protected-access
       result = method(self, *args, **kwargs)
     if sets_shape and isinstance(result, tf.Tensor) and not tf.executing_eagerly():
@@ -113,6 +134,52 @@ def _on_variable_device(name, method):
 
 
 _tf_internal.wrap_resource_methods(SharedVariable, _on_variable_device)
+
+
+def _eager_write(variable, method, *args, **kwargs):
+  """An eager write as one synchronous function call on the variable's PS device.
+
+  Takes the arguments of the `tf.Variable` method `method`: `assign*(value, use_locking,
+  name, read_value)`, `scatter_*(sparse_delta, use_locking, name)`,
+  `scatter_nd_*(indices, updates, name)`.
+  """
+  if method in _ASSIGN_OPS:
+    value = tf.convert_to_tensor(args[0] if args else kwargs["value"], dtype=variable.dtype)
+    read_value = args[3] if len(args) > 3 else kwargs.get("read_value", True)
+    _write_function(variable.device, _ASSIGN_OPS[method])(variable.handle, value)
+    return variable if read_value else None
+  if method in _SCATTER_OPS:
+    delta = args[0] if args else kwargs["sparse_delta"]
+    if not isinstance(delta, tf.IndexedSlices):
+      raise TypeError(f"{method}() takes a tf.IndexedSlices. Received: {delta!r}")
+    _write_function(variable.device, _SCATTER_OPS[method])(
+        variable.handle, tf.convert_to_tensor(delta.indices),
+        tf.convert_to_tensor(delta.values, dtype=variable.dtype))
+    return variable
+  indices = args[0] if args else kwargs["indices"]
+  updates = args[1] if len(args) > 1 else kwargs["updates"]
+  _write_function(variable.device, _SCATTER_ND_OPS[method])(
+      variable.handle, tf.convert_to_tensor(indices),
+      tf.convert_to_tensor(updates, dtype=variable.dtype))
+  return variable
+
+
+@functools.lru_cache(maxsize=None)
+def _write_function(device, op_name):
+  """A tf.function on `device` that runs the raw op `op_name` on a variable's handle."""
+  op = getattr(tf.raw_ops, op_name)
+
+  @tf.function(autograph=False, reduce_retracing=True)
+  def write(handle, *tensors):
+    with tf.device(device):
+      if op_name in _ASSIGN_OPS.values():
+        op(resource=handle, value=tensors[0])
+      elif op_name.startswith("ResourceScatterNd"):
+        op(ref=handle, indices=tensors[0], updates=tensors[1])
+      else:
+        op(resource=handle, indices=tensors[0], updates=tensors[1])
+
+  return write
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,7 +212,7 @@ def _create_if_missing_fn(device, dtype):
 
 def create_shared_variable(*, device, local_device, shared_name, initial_value, shape=None,
                            trainable=None, synchronization=None, aggregation=None,
-                           constraint=None, run=None):
+                           constraint=None, guard=None):
   """Creates (or binds to) the variable `shared_name` on the PS device `device`.
 
   Args:
@@ -155,7 +222,8 @@ def create_shared_variable(*, device, local_device, shared_name, initial_value, 
     initial_value: an eager tensor; assigned only if the variable does not exist yet.
     shape: the variable's shape (default: the initial value's).
     trainable, synchronization, aggregation, constraint: as for `tf.Variable`.
-    run: a callable `run(fn, what)` that calls `fn()` under a watchdog (default: calls it).
+    guard: the connection's `StepGuard`: creating the variable runs under it, and the
+      variable's eager methods raise `ClusterError` once it has seen a task fail.
 
   Returns:
     A `SharedVariable`.
@@ -187,10 +255,10 @@ def create_shared_variable(*, device, local_device, shared_name, initial_value, 
           raise
         time.sleep(_RETRY_PAUSE)
 
-  if run is None:
+  if guard is None:
     handle, found = connect()
   else:
-    handle, found = run(connect, f"creating variable {shared_name!r} on {device}")
+    handle, found = guard.run(connect, f"creating variable {shared_name!r} on {device}")
   if not shape.is_compatible_with(found):
     raise ValueError(
         f"Variable {shared_name!r} already exists on {device} with shape {found}, but "
@@ -199,4 +267,4 @@ def create_shared_variable(*, device, local_device, shared_name, initial_value, 
         "start from scratch.")
   return SharedVariable(handle=handle, device=device, shared_name=shared_name, shape=shape,
                         dtype=dtype, trainable=trainable, synchronization=synchronization,
-                        aggregation=aggregation, constraint=constraint)
+                        aggregation=aggregation, constraint=constraint, guard=guard)

@@ -21,12 +21,23 @@ for it at most `timeout` seconds in the calling thread:
 
 Calls made from inside a guarded call (the strategy creating a variable during a step)
 run directly: the outer call already bounds them.
+
+Faults outside guarded calls: a cluster connection installs `translate_error` into
+TensorFlow (`_tf_internal.install_error_translator`), so that an error raised by any
+eager op or `tf.function` call of this process (a variable's `assign_add`, a step
+called directly, a checkpoint save) that means a task died or restarted reaches the
+caller as `ClusterError` naming the task, like a guarded call's. A killed task is
+reported within ~2 s; an error that names no task of a live connection, and whose
+probes blame none, is left as TensorFlow raised it.
 """
 
+import contextlib
+import functools
 import logging
 import queue
 import threading
 import time
+import weakref
 
 from diststrat._tf import tf
 from diststrat import _arguments
@@ -41,11 +52,60 @@ _BLAME_TIME = 2.0  # Seconds spent asking the tasks which one failed, after an e
 _PROBE_RETRY = 0.25  # Seconds between two probes of a task that did not answer.
 
 
+_live_guards = weakref.WeakSet()  # The StepGuards of this process's cluster connections.
+_thread_state = threading.local()  # .raw: leave errors alone; .what: the guarded call.
+
+
+@contextlib.contextmanager
+def _raw_errors():
+  """In this thread, errors are not translated (probes, and translating itself)."""
+  saved = getattr(_thread_state, "raw", False)
+  _thread_state.raw = True
+  try:
+    yield
+  finally:
+    _thread_state.raw = saved
+
+
+def translate_error(error):
+  """`error` (raised by TensorFlow in this process) as `ClusterError` if it is a fault.
+
+  Installed into TensorFlow by the first cluster connection; see the module docstring.
+  """
+  if getattr(_thread_state, "raw", False) or not isinstance(error, tf.errors.OpError):
+    return error
+  if not is_cluster_fault(error):
+    return error
+  guards = list(_live_guards)
+  if not guards:
+    return error
+  named = [g for g in guards if _tf_internal.tasks_named_in_error(error, g.tasks)]
+  guard = (named or guards)[-1]
+  with _raw_errors():
+    return guard.translate(error, getattr(_thread_state, "what", None) or "an operation",
+                           require_task=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_function(device):
+  """A tiny op on `device`, as a function: eager remote ops from a new thread (each
+  probe's) can block forever, holding the GIL, once another thread saw a task fail."""
+
+  @tf.function(autograph=False)
+  def probe():
+    with tf.device(device):
+      return tf.raw_ops.Identity(input=tf.constant(0))
+
+  return probe
+
+
 def is_cluster_fault(error):
   """Whether a TensorFlow error means a task died, restarted or could not be reached."""
   if isinstance(error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError)):
     return True
-  return _tf_internal.error_means_task_restarted(error)
+  return (_tf_internal.error_means_task_restarted(error) or
+          (isinstance(error, tf.errors.OpError) and
+           _tf_internal.error_means_connection_lost(error)))
 
 
 class _Job:
@@ -90,16 +150,32 @@ class StepGuard:
     timeout: seconds a call may take, or None for no limit (faults still become
       `ClusterError`).
     name: how log lines and errors name the owner (a strategy's repr).
+    role: how messages name a task, such as "Parameter server task".
   """
 
-  def __init__(self, tasks, probe_device, timeout, name):
+  def __init__(self, tasks, probe_device, timeout, name, role="Parameter server task"):
     self.tasks = tuple(tasks)
     self._probe_device = probe_device
     self.timeout = timeout
     self._name = name
+    self._role = role
     self._local = threading.local()
     self._helper = None
     self._lock = threading.Lock()
+    self._failure = None  # The first cluster fault seen since connecting (a TF error).
+    _live_guards.add(self)
+
+  def check_healthy(self, what):
+    """Raises `ClusterError` if a task failed since the last `clear_failure()`."""
+    failure = self._failure
+    if failure is not None:
+      with _raw_errors():
+        translated = self.translate(failure, what, record=False)
+      raise translated
+
+  def clear_failure(self):
+    """Forgets the fault seen: called when connecting again."""
+    self._failure = None
 
   @property
   def timeout(self):
@@ -151,35 +227,53 @@ class StepGuard:
   # --- faults ---
 
   def _call_translating(self, fn, what):
+    saved = getattr(_thread_state, "what", None)
+    _thread_state.what = what
     try:
       return fn()
     except tf.errors.OpError as e:
       self._raise(e, what)
+    finally:
+      _thread_state.what = saved
 
   def _raise(self, error, what):
     """Raises `error`, as `ClusterError` when it is a cluster fault."""
-    translated = self._translate(error, what)
+    translated = self.translate(error, what)
     if translated is error:
       raise error.with_traceback(error.__traceback__)
     raise translated from error
 
-  def _translate(self, error, what):
+  def translate(self, error, what, require_task=False, record=True):
+    """`error` as a `ClusterError` naming the task at fault, if it is a cluster fault.
+
+    Args:
+      error: an exception raised by TensorFlow.
+      what: what failed, for the message ("step 12").
+      require_task: leave `error` alone when no task of this guard can be blamed.
+      record: remember the fault (see `check_healthy`).
+    """
     if not isinstance(error, tf.errors.OpError) or not is_cluster_fault(error):
       return error
-    task = self._blame(error)
-    who = f"Parameter server task {task}" if task else "A parameter server task"
-    if _tf_internal.error_means_task_restarted(error):
-      message = (f"{who} restarted since {self._name} connected to it, so the variables "
-                 f"it held are gone ({what} failed: {_tf_internal.error_summary(error)}). Call "
-                 "strategy.reconnect(), then restore the last checkpoint.")
+    task, status = self._blame(error)
+    if task is None and require_task:
+      return error
+    if record and self._failure is None:
+      self._failure = error
+    who = f"{self._role} {task}" if task else f"A {self._role.lower()}"
+    summary = _tf_internal.error_summary(error)
+    if status == "restarted" or (status is None and
+                                 _tf_internal.error_means_task_restarted(error)):
+      message = (f"{who} restarted since {self._name} connected to it, so the state it "
+                 f"held is gone ({what} failed: {summary}). Call strategy.reconnect(), "
+                 "then restore the last checkpoint.")
     else:
       message = (f"{who} cannot be reached: it died or its network is down ({what} "
-                 f"failed: {_tf_internal.error_summary(error)}). Restart the task, call "
-                 "strategy.reconnect(), then restore the last checkpoint.")
+                 f"failed: {summary}). Restart the task, call strategy.reconnect(), then "
+                 "restore the last checkpoint.")
     return errors.ClusterError(message, task=task)
 
   def _blame(self, error):
-    """The task most likely at fault for `error`, or None.
+    """(the task most likely at fault for `error` or None, that task's probe status).
 
     The message may name a healthy task that failed to reach the dead one, and right
     after a failure a healthy task may refuse one probe or answer slowly, so neither
@@ -194,10 +288,13 @@ class StepGuard:
     def ranked(tasks):
       return sorted(tasks, key=lambda t: (t not in named, order.index(t)))
 
+    restarted = [t for t, s in statuses.items() if s == "restarted"]
     unreachable = [t for t, s in statuses.items() if s.startswith("cannot be reached")]
     silent = [t for t, s in statuses.items() if s == "does not answer"]
-    blamed = ranked(unreachable) or ranked(silent) or named
-    return blamed[0] if blamed else None
+    blamed = ranked(restarted) or ranked(unreachable) or ranked(silent) or named
+    if not blamed:
+      return None, None
+    return blamed[0], statuses.get(blamed[0])
 
   def _abandon(self, helper, what, elapsed, statuses):
     helper.abandoned = True
@@ -209,6 +306,10 @@ class StepGuard:
     blamed = silent or dead
     task = blamed[0] if blamed else None
     details = "; ".join(f"{t} {s}" for t, s in statuses.items())
+    if blamed and self._failure is None:  # Later eager ops must not block on it too.
+      self._failure = tf.errors.DeadlineExceededError(
+          None, None, f"{what} did not finish within step_timeout; {blamed[0]} "
+          f"{statuses[blamed[0]]}")
     logger.warning("diststrat watchdog: %s of %s has been stuck for %.1f s (step_timeout "
                    "%.1f s), waiting on %s. Tasks: %s.", what, self._name, elapsed,
                    self.timeout, ", ".join(blamed) if blamed else "no task in particular",
@@ -220,7 +321,7 @@ class StepGuard:
       advice = ("Restart the task (or resume it), call strategy.reconnect(), then restore "
                 "the last checkpoint.")
     else:
-      cause = "although every parameter server task answers"
+      cause = f"although every {self._role.lower()} answers"
       advice = ("If the step is just slow, raise step_timeout (strategy.step_timeout = "
                 "seconds).")
     raise errors.ClusterError(
@@ -243,13 +344,16 @@ class StepGuard:
 
   def _probe_one(self, task, result):
     self._local.inside = True
+    _thread_state.raw = True
     try:
-      with tf.device(self._probe_device(task)):
-        value = tf.raw_ops.Identity(input=tf.constant(0))
-      value.numpy()
+      _probe_function(self._probe_device(task))().numpy()
       result["status"] = "answers"
     except Exception as e:  # pylint: disable=broad-except
-      result["status"] = f"cannot be reached ({type(e).__name__}: {_tf_internal.error_summary(e)})"
+      if _tf_internal.error_means_task_restarted(e):
+        result["status"] = "restarted"
+      else:
+        result["status"] = (f"cannot be reached ({type(e).__name__}: "
+                            f"{_tf_internal.error_summary(e)})")
 
   def _collect_probes(self, probes, timeout=0.0):
     deadline = time.monotonic() + timeout

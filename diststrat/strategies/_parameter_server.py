@@ -7,7 +7,6 @@ from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _context
 from diststrat import _devices
-from diststrat import _tf_internal
 from diststrat import cross_tower_ops
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
@@ -123,6 +122,7 @@ class ParameterServerStrategy(DistributionStrategy):
                tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT,
                step_timeout=DEFAULT_STEP_TIMEOUT):
     super().__init__()
+    step_timeout = _arguments.seconds("step_timeout", step_timeout)
     self._cluster_spec = cluster_spec
     self._task_type = task_type
     self._task_id = task_id
@@ -149,7 +149,6 @@ class ParameterServerStrategy(DistributionStrategy):
       if ps_devices is None:
         ps_devices = (_devices.canonicalize(tf.config.list_logical_devices("CPU")[0].name),)
       self._worker_devices_tuple = _devices.canonicalize_all(worker_devices)
-      _arguments.seconds("step_timeout", step_timeout)
     self._ps_devices = _devices.canonicalize_all(ps_devices)
     if not self._worker_devices_tuple or not self._ps_devices:
       raise ValueError("ParameterServerStrategy needs at least one worker device and one "
@@ -236,24 +235,26 @@ class ParameterServerStrategy(DistributionStrategy):
           f"run_step() of {self!r} was called in {_context.describe_current_context()}; "
           "it runs a whole step, so call it from the cross-tower context or outside any "
           "strategy, and call call_for_each_tower() inside the step.")
-    if self._cluster is None or self._cluster.guard.inside():
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return self._guarded(f"step {next(self._steps)} ({name})", fn, *args, **kwargs)
+
+  def _guarded(self, what, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`; in cluster mode, eagerly, bounded by `step_timeout`.
+
+    It runs in the watchdog's helper thread, in this thread's context (see
+    `_context.ThreadState`); a cluster fault raises `ClusterError` naming the task.
+    Inside a `tf.function` trace, or inside a guarded call, it runs directly.
+    """
+    guard = self._cluster.guard if self._cluster is not None else None
+    if guard is None or guard.inside() or not tf.executing_eagerly():
       return fn(*args, **kwargs)
-    in_scope = mode.strategy is self and not _context.in_default_context()
-    device = _tf_internal.current_device()
-    name_scope = tf.get_current_name_scope()
+    state = _context.ThreadState()
 
     def call():
-      with contextlib.ExitStack() as stack:
-        if in_scope:
-          stack.enter_context(self.scope())
-        if device:
-          stack.enter_context(tf.device(device))
-        if name_scope:
-          stack.enter_context(tf.name_scope(name_scope + "/"))
+      with state.enter():
         return fn(*args, **kwargs)
 
-    name = getattr(fn, "__name__", type(fn).__name__)
-    return self._cluster.guard.run(call, f"step {next(self._steps)} ({name})")
+    return guard.run(call, what)
 
   def reconnect(self):
     """Connects this worker to the cluster again, after a PS task was restarted.
@@ -318,8 +319,31 @@ class ParameterServerStrategy(DistributionStrategy):
   # --- towers ---
 
   def _call_for_each_tower(self, fn, args, kwargs):
+    return self._guarded("call_for_each_tower()", self._run_towers, fn, args, kwargs)
+
+  def _run_towers(self, fn, args, kwargs):
     runner = _tower_threads.TowerRunner(self, self._worker_devices_tuple, self._tower_timeout)
     return _wrapped.regroup(runner.run(fn, args, kwargs), self._worker_devices_tuple)
+
+  # In cluster mode, each cross-tower operation called eagerly is bounded by step_timeout
+  # and reports a dead or frozen PS task as ClusterError (see _guarded).
+
+  def _reduce(self, aggregation, value, destinations):
+    return self._guarded("reduce()", super()._reduce, aggregation, value, destinations)
+
+  def _batch_reduce(self, aggregation, value_destination_pairs):
+    return self._guarded("batch_reduce()", super()._batch_reduce, aggregation,
+                         value_destination_pairs)
+
+  def _broadcast(self, tensor, destinations):
+    return self._guarded("broadcast()", super()._broadcast, tensor, destinations)
+
+  def _update(self, var, fn, args, kwargs):
+    return self._guarded(f"update() of {var.name}", super()._update, var, fn, args, kwargs)
+
+  def _update_non_slot(self, colocate_with, fn, args, kwargs):
+    return self._guarded("update_non_slot()", super()._update_non_slot, colocate_with, fn,
+                         args, kwargs)
 
   # --- reductions and updates: the base class's, through _get_cross_tower_ops ---
 
@@ -330,7 +354,7 @@ class ParameterServerStrategy(DistributionStrategy):
     return min(var_list, key=lambda v: v.name)
 
   def _read_var(self, v):
-    return tf.identity(v)
+    return self._guarded(f"read_var() of {v.name}", tf.identity, v)
 
   # --- devices ---
 

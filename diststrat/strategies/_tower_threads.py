@@ -53,32 +53,6 @@ class _Aborted(BaseException):
   """Raised inside a paused tower to unwind it when the call fails elsewhere."""
 
 
-class _Captured:
-  """The calling thread's TensorFlow state that tower threads start from."""
-
-  def __init__(self):
-    self.eager = tf.executing_eagerly()
-    self.graph = tf.compat.v1.get_default_graph()
-    self.name_scope = tf.get_current_name_scope()
-    self.creator_stack = _tf_internal.variable_creator_stack()
-    self.control_inputs = _tf_internal.current_control_dependencies()
-
-  @contextlib.contextmanager
-  def enter(self, device):
-    with contextlib.ExitStack() as stack:
-      if not self.eager:
-        stack.enter_context(self.graph.as_default())
-      saved_creators = _tf_internal.variable_creator_stack()
-      _tf_internal.set_variable_creator_stack(self.creator_stack)
-      stack.callback(_tf_internal.set_variable_creator_stack, saved_creators)
-      if self.control_inputs:
-        stack.enter_context(self.graph.control_dependencies(self.control_inputs))
-      if self.name_scope:
-        stack.enter_context(tf.name_scope(self.name_scope + "/"))
-      stack.enter_context(tf.device(device))
-      yield
-
-
 class ThreadedTowerContext(_context.TowerContext):
   """The `TowerContext` of a tower run in its own thread: `merge_call` pauses it."""
 
@@ -126,7 +100,7 @@ class _Tower:
       self._wait_for_go()
       context = ThreadedTowerContext(self, self.runner.strategy, self.tower_id,
                                      len(self.runner.devices), self.device)
-      with self.runner.captured.enter(self.device), \
+      with self.runner.captured.enter(device=self.device), \
           self.runner.strategy._tower_scope(context):  # pylint: disable=protected-access
         self.result = self._fn(*self._args, **self._kwargs)
     except _Aborted:
@@ -189,7 +163,7 @@ class TowerRunner:
 
   def run(self, fn, args, kwargs):
     """Returns the list of the towers' results, in tower order."""
-    self.captured = _Captured()
+    self.captured = _context.ThreadState()
     if not self.captured.eager:
       fn = _autograph(fn)
     towers = [_Tower(self, i, d, fn, _wrapped.select_device(d, args),
