@@ -110,10 +110,10 @@ def estimate_costs(layers, input_shape, dtype="float32"):
   missing = [i for i, c in enumerate(costs) if c is None]
   if missing:
     raise ValueError(
-        f"Cannot trace {describe(layers[missing[0]], missing[0])} to count its FLOPs: "
-        "it is a Keras layer without a working get_config(). Received: "
-        f"{len(missing)} such layer(s) at positions {missing}. Give the layer a "
-        "get_config(), or give GPipe an explicit partition=[n0, n1, ...].")
+        "Counting a layer's FLOPs traces a clone of it, made from its get_config(). "
+        f"Received: {describe(layers[missing[0]], missing[0])} whose get_config() fails "
+        f"({len(missing)} such layer(s), at positions {missing}). Implement get_config() "
+        "in the layer, or give GPipe an explicit partition=[n0, n1, ...].")
   return costs
 
 
@@ -127,14 +127,9 @@ def trace_layers(layers, input_shape, dtype="float32"):
   dtype = tf.as_dtype(dtype)
   shape = tuple(tf.TensorShape(input_shape).as_list())
   costs, specs = [], [(shape, dtype)]
-  for i, layer in enumerate(layers):
+  for i in range(len(layers)):
     cost, out_shape, out_dtype = _trace_one(layers, i, shape, dtype)
     costs.append(cost)
-    if out_shape is None:
-      raise LayerError(
-          f"Cannot find the output shape of {describe(layer, i)}: it could not be traced "
-          "and has no compute_output_shape(). Received: input shape "
-          f"{_fmt(shape)}. Give the layer a get_config() or compute_output_shape().")
     if shape and out_shape and shape[0] is None:
       out_shape = (None,) + tuple(out_shape[1:])
     shape, dtype = tuple(out_shape), out_dtype
@@ -171,8 +166,18 @@ def _trace_one(layers, index, shape, dtype):
 
 
 def _keras_output_shape(layers, index, shape):
+  """The output shape of a Keras layer that cannot be cloned, if it says how to find it."""
+  layer = layers[index]
+  if type(layer).compute_output_shape is keras_layer_class().compute_output_shape:
+    # Keras's default would build the layer here, on the wrong device.
+    raise LayerError(
+        f"GPipe traces each layer on a clone before building it, but "
+        f"{describe(layer, index)} cannot be cloned (its get_config() fails) and does not "
+        "define compute_output_shape(). Received: a layer of class "
+        f"{type(layer).__name__}. Implement get_config() (Keras's serialization guide) or "
+        "compute_output_shape() in the layer.")
   try:
-    return tuple(layers[index].compute_output_shape(shape))
+    return tuple(layer.compute_output_shape(shape))
   except Exception as e:  # pylint: disable=broad-except
     raise _mismatch(layers, index, shape, e) from e
 

@@ -115,7 +115,7 @@ def run(stages, x, num_micro_batches, recompute, name="gpipe"):
         after = [cells.outputs[k - 1, s]] if k > 0 else []
         with stage.scope(f"forward/stage_{s}/micro_batch_{k}"), _after(after):
           if recording and not recompute:
-            tape = tf.GradientTape(persistent=True)
+            tape = tf.GradientTape()
             with tape:
               if _differentiable(inp):
                 tape.watch(inp)
@@ -133,7 +133,7 @@ def run(stages, x, num_micro_batches, recompute, name="gpipe"):
       return result
 
     def backward(d_result):
-      return _backward(stages, cells, d_result, x, num_micro_batches, recompute, name)
+      return _backward(stages, cells, d_result, x, num_micro_batches, name)
 
     _tape.record_backward("GPipe", [result], [x] + reads, backward)
     return result
@@ -148,7 +148,7 @@ class _Cells:
     self.tapes = {}
 
 
-def _backward(stages, cells, d_result, x, num_micro_batches, recompute, name):
+def _backward(stages, cells, d_result, x, num_micro_batches, name):
   """GPipe's backward pass: returns the gradients of x and of every variable read."""
   num_stages = len(stages)
   with tf.name_scope(name + "_backward"):
@@ -165,17 +165,21 @@ def _backward(stages, cells, d_result, x, num_micro_batches, recompute, name):
         continue
       with stage.scope(f"backward/stage_{s}/micro_batch_{k}"), _after(previous[s]):
         inp = cells.inputs[k, s]
-        if recompute:
+        # A forward tape is used once and dropped, so the cell's activations go as soon
+        # as its gradients exist. A second backward pass (a persistent outer tape)
+        # finds no tape and recomputes.
+        tape = cells.tapes.pop((k, s), None)
+        if tape is None:
           with _after([dy]):  # Recompute when the gradient arrives, not earlier.
             inp = tf.identity(inp)
-          with tf.GradientTape(persistent=True) as tape:
+          with tf.GradientTape() as tape:
             if _differentiable(inp):
               tape.watch(inp)
             tape.watch(stage.variables)
             y = stage.fn(inp)
           _check_declared(stage, tape)
         else:
-          tape, y = cells.tapes[k, s], cells.outputs[k, s]
+          y = cells.outputs[k, s]
         sources = ([inp] if _differentiable(inp) else []) + stage.variables
         result = tape.gradient(y, sources, output_gradients=dy)
         if not _differentiable(inp):
