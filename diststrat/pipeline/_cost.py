@@ -106,7 +106,7 @@ def estimate_costs(layers, input_shape, dtype="float32"):
     >>> estimate_costs([keras.layers.Dense(3), keras.layers.ReLU()], (2, 4))
     [54.0, 6.0]
   """
-  costs, _ = trace_layers(list(layers), input_shape, dtype)
+  costs = trace_layers(list(layers), input_shape, dtype).costs
   missing = [i for i, c in enumerate(costs) if c is None]
   if missing:
     raise ValueError(
@@ -117,24 +117,40 @@ def estimate_costs(layers, input_shape, dtype="float32"):
   return costs
 
 
+class Trace:
+  """What tracing the layers found.
+
+  Attributes:
+    costs: FLOPs per layer (None where a layer could not be traced).
+    specs: the (shape, dtype) of each layer's input, then of the last layer's output (a
+      None batch dimension stays None).
+    captured: per layer, the trainable variables a non-Keras callable reads (found when
+      it is traced as a tf.function), else [].
+  """
+
+  def __init__(self):
+    self.costs, self.specs, self.captured = [], [], []
+
+
 def trace_layers(layers, input_shape, dtype="float32"):
-  """Returns (costs, specs): FLOPs per layer (None when unknown) and the (shape, dtype) of
-  every layer's input followed by the last layer's output's (a None batch stays None).
+  """Traces each layer on the previous one's output shape; returns a `Trace`.
 
   Raises:
     LayerError: a layer cannot take the previous layer's output.
   """
   dtype = tf.as_dtype(dtype)
   shape = tuple(tf.TensorShape(input_shape).as_list())
-  costs, specs = [], [(shape, dtype)]
+  trace = Trace()
+  trace.specs.append((shape, dtype))
   for i in range(len(layers)):
-    cost, out_shape, out_dtype = _trace_one(layers, i, shape, dtype)
-    costs.append(cost)
+    cost, out_shape, out_dtype, captured = _trace_one(layers, i, shape, dtype)
+    trace.costs.append(cost)
+    trace.captured.append(captured)
     if shape and out_shape and shape[0] is None:
       out_shape = (None,) + tuple(out_shape[1:])
     shape, dtype = tuple(out_shape), out_dtype
-    specs.append((shape, dtype))
-  return costs, specs
+    trace.specs.append((shape, dtype))
+  return trace
 
 
 def _concrete(shape):
@@ -147,13 +163,13 @@ def _fmt(shape):
 
 
 def _trace_one(layers, index, shape, dtype):
-  """(flops or None, output shape or None, output dtype) of layers[index] on `shape`."""
+  """(flops or None, output shape, output dtype, variables read) of layers[index]."""
   layer = layers[index]
   if is_keras_layer(layer):
     try:
       clone = type(layer).from_config(layer.get_config())
     except Exception:  # pylint: disable=broad-except
-      return None, _keras_output_shape(layers, index, shape), dtype
+      return None, _keras_output_shape(layers, index, shape), dtype, []
     build_config = layer.get_build_config() if layer.built else None
     return _trace_in_graph(layers, index, clone, shape, dtype, build_config=build_config)
   try:
@@ -207,7 +223,7 @@ def _trace_in_graph(layers, index, layer, shape, dtype, build_config=None,
       raise _mismatch(layers, index, shape, e) from e
     y = _single_tensor(layers, index, y)
     flops = sum(op_flops(op) for op in graph.get_operations()[first:])
-  return float(flops), tuple(y.shape.as_list()), y.dtype
+  return float(flops), tuple(y.shape.as_list()), y.dtype, []
 
 
 def _reads_eager_state(error):
@@ -223,7 +239,7 @@ def _trace_function(layers, index, layer, shape, dtype):
     raise _mismatch(layers, index, shape, e) from e
   y = _single_tensor(layers, index, concrete.structured_outputs)
   flops = sum(op_flops(op) for op in concrete.graph.get_operations())
-  return float(flops), tuple(y.shape.as_list()), y.dtype
+  return float(flops), tuple(y.shape.as_list()), y.dtype, list(concrete.trainable_variables)
 
 
 def _single_tensor(layers, index, y):

@@ -75,9 +75,9 @@ class GPipe(tf.Module):
     if len(self._layers) < num_stages:
       raise ValueError(
           "GPipe puts at least one layer on each device (one stage per device). Received: "
-          f"{len(self._layers)} layers for {num_stages} devices "
+          f"{_count(len(self._layers), 'layer')} for {_count(num_stages, 'device')} "
           f"{list(next(iter(self._pipelines.values())))}. Pass at most "
-          f"{len(self._layers)} devices, or split the model into more layers.")
+          f"{_count(len(self._layers), 'device')}, or split the model into more layers.")
     self._num_stages = num_stages
     self._num_micro_batches = _check_micro_batches(num_micro_batches)
     self._recompute = bool(recompute)
@@ -181,7 +181,8 @@ class GPipe(tf.Module):
     micro_shape = list(input_shape)
     if micro_shape and micro_shape[0] is not None:
       micro_shape[0] //= self._num_micro_batches
-    costs, specs = _cost.trace_layers(self._layers, micro_shape, dtype)
+    trace = _cost.trace_layers(self._layers, micro_shape, dtype)
+    costs = trace.costs
     if self._partition == "cost":
       unknown = [i for i, c in enumerate(costs) if c is None]
       if unknown:
@@ -201,9 +202,12 @@ class GPipe(tf.Module):
     for s, (a, b) in enumerate(self._ranges()):
       with _placement(strategy, columns[s]):
         for i in range(a, b):
-          _build_layer(self._layers[i], specs[i])
+          _build_layer(self._layers[i], trace.specs[i])
+      declared = [as_tf_variable(v) for i in range(a, b)
+                  for v in _layer_variables(self._layers[i], True)]
       for i in range(a, b):
         _check_placement(self._layers[i], i, s, columns[s], strategy)
+        _schedule.check_declared(s, declared, trace.captured[i])
     self._stage_costs = stage_costs
     self._strategy = strategy
 
@@ -435,6 +439,10 @@ def _check_partition(partition, num_layers, num_stages):
         f"partition={partition!r} for {num_layers} layers and {num_stages} stages. Pass "
         f"{num_stages} positive ints that sum to {num_layers}, or 'cost'.")
   return sizes
+
+
+def _count(n, noun):
+  return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 # --- layers ---

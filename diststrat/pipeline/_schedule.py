@@ -240,14 +240,18 @@ def _accumulate(total, g):
 
 def _check_declared(stage, tape):
   """Raises if the stage read a trainable variable that its layers do not declare."""
-  declared = {id(v) for v in stage.variables}
-  for v in tape.watched_variables():
-    if id(v) in declared or id(_wrapped.container_of(v)) in declared:
+  check_declared(stage.index, stage.variables, tape.watched_variables())
+
+
+def check_declared(stage_index, declared, used):
+  """Raises ValueError if a variable of `used` is none of `declared` (nor a copy of one)."""
+  known = {id(v) for v in declared}
+  for v in used:
+    if id(v) in known or id(_wrapped.container_of(v)) in known:
       continue
     raise ValueError(
         "GPipe differentiates the variables that its layers declare (their "
-        "trainable_variables), but stage "
-        f"{stage.index} read the trainable variable {v.name!r}, which none of its layers "
-        f"declares. Received: stage {stage.index} declares "
-        f"{[getattr(d, 'name', '?') for d in stage.variables]}. Make the callable that "
+        f"trainable_variables), but stage {stage_index} reads the trainable variable "
+        f"{v.name!r}, which none of its layers declares. Received: stage {stage_index} "
+        f"declares {[getattr(d, 'name', '?') for d in declared]}. Make the callable that "
         "uses it a tf.Module or a Keras layer that owns the variable.")
