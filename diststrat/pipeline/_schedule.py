@@ -187,7 +187,10 @@ def _backward(stages, cells, d_result, x, num_micro_batches, name):
         d_inputs[k, s] = result[0]
         for i, g in enumerate(result[1:]):
           grads[s][i] = _accumulate(grads[s][i], g)
-        previous[s] = [_as_tensor_for_deps(g) for g in result if g is not None]
+      # The stage's next cell waits for these sums, not only for this cell's gradients:
+      # then one cell's gradients are alive at a time per stage. (Otherwise TensorFlow's
+      # graph optimizer may turn the chain of sums into one AddN that keeps all M.)
+      previous[s] = [_as_tensor_for_deps(g) for g in [result[0]] + grads[s] if g is not None]
     with tf.device(stages[0].device):
       d_parts = [d_inputs[k, 0] for k in range(num_micro_batches)]
       if all(d is None for d in d_parts) or not _differentiable(x):
