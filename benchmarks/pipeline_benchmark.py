@@ -34,11 +34,12 @@ import sys
 import tempfile
 import time
 
-# Before TensorFlow starts: allocator statistics on the CPU, quiet logs.
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# Run from a checkout: use this checkout's diststrat, not another installed copy.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":
+  # Before TensorFlow starts: allocator statistics on the CPU, quiet logs; and this
+  # checkout's diststrat rather than another installed copy.
+  os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top

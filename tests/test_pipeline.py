@@ -5,14 +5,13 @@ Every result is compared with the same layers applied one after the other on one
 """
 
 import functools
-import importlib.util
 import itertools
+import json
 import os
 import pathlib
 import random
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -646,3 +645,28 @@ def test_strategy_errors():
     with pytest.raises(ValueError, match=r"no strategy or inside MirroredStrategy.*Received: "
                        r"ParameterServerStrategy"):
       GPipe([tf.nn.relu], devices=CPUS[:1]).build((4, 3))
+
+
+# --- the benchmark's trace and memory figures: stages overlap, recompute saves memory --
+
+
+def test_benchmark_trace_shows_stages_running_at_once_and_recompute_saves_memory(tmp_path):
+  out = tmp_path / "pipeline.json"
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0")
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "benchmarks" / "pipeline_benchmark.py"), "--layers=12",
+       "--width=256", "--batch=512", "--micro_batches=1,4", "--rounds=1",
+       "--steps_per_round=1", "--inter_op_threads=4", f"--out={out}"],
+      env=env, capture_output=True, text=True, timeout=240, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = {r["contender"]: r for r in json.loads(out.read_text())["rows"]}
+  one, four = rows["GPipe S=4 M=1"], rows["GPipe S=4 M=4"]
+  # Traced: with 4 micro-batches, ops of different stages run at the same time; with one
+  # there is nothing to overlap, and each device idles about (S - 1) / S of the step.
+  assert four["max_concurrent_stages"] >= 2 and four["concurrent_fraction"] > 0.2, four
+  assert one["bubble"] > 0.6 and one["bubble_gpipe"] == 0.75, one
+  assert four["bubble"] < one["bubble"], (four, one)
+  # Peak tensor memory of a training step (TensorFlow's allocator statistics).
+  for m in (1, 4):
+    keep, again = rows[f"GPipe S=4 M={m}"], rows[f"GPipe S=4 M={m} recompute"]
+    assert again["peak_memory_mib"] < 0.85 * keep["peak_memory_mib"], (keep, again)
