@@ -127,7 +127,10 @@ class GPipe(tf.Module):
 
   @property
   def stage_costs(self):
-    """Each stage's estimated cost in FLOPs per micro-batch (None where unknown)."""
+    """Each stage's estimated FLOPs for one micro-batch (None where unknown).
+
+    For one example when the pipeline was built with an unknown batch size.
+    """
     self._check_built("stage_costs")
     return list(self._stage_costs)
 
@@ -145,7 +148,7 @@ class GPipe(tf.Module):
     return self.trainable_variables + self.non_trainable_variables
 
   def __repr__(self):
-    sizes = self._sizes if self._sizes is not None else "cost (not built)"
+    sizes = list(self._sizes) if self._sizes is not None else "cost (not built)"
     return (f"GPipe({len(self._layers)} layers, stages={sizes}, devices={self.devices}, "
             f"num_micro_batches={self._num_micro_batches}, recompute={self._recompute})")
 
@@ -270,7 +273,8 @@ class GPipe(tf.Module):
     """Returns the layers applied in sequence to `x`, run as a pipeline.
 
     Differentiable with `tf.GradientTape`: the gradients are those of the layers in
-    sequence (see the module `_schedule` for how the backward pass runs).
+    sequence, computed by GPipe's backward schedule (docs/pipeline.md) when the tape
+    is inside the same `tf.function` as the call (or in eager mode).
 
     Args:
       x: a batch: one tensor whose first dimension is divisible by `num_micro_batches`.
