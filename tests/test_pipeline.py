@@ -300,6 +300,19 @@ def test_persistent_tape_and_tape_outside_the_function():
     np.testing.assert_allclose(g, e, **TOL)
 
 
+def test_checkpoint_restores_into_another_stage_count(tmp_path):
+  two = GPipe(_make_layers(seed=1), devices=CPUS[:2], num_micro_batches=2)
+  two.build((BATCH, FEATURES))
+  path = tf.train.Checkpoint(model=two).save(str(tmp_path / "ckpt"))
+  three = GPipe(_make_layers(seed=2), devices=CPUS[1:4])
+  three.build((BATCH, FEATURES))
+  tf.train.Checkpoint(model=three).restore(path).assert_consumed()
+  x = _input()
+  np.testing.assert_allclose(three(x), two(x), **TOL)
+  for a, b in zip(three.trainable_variables, two.trainable_variables):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
 # --- training equals one device ------------------------------------------------------
 
 STEPS, LR = 10, 0.05
@@ -670,3 +683,25 @@ def test_benchmark_trace_shows_stages_running_at_once_and_recompute_saves_memory
   for m in (1, 4):
     keep, again = rows[f"GPipe S=4 M={m}"], rows[f"GPipe S=4 M={m} recompute"]
     assert again["peak_memory_mib"] < 0.85 * keep["peak_memory_mib"], (keep, again)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_built_lazily_by_the_towers(mode, no_thread_leak):
+  strategy = ds.MirroredStrategy(TOWERS)
+  with strategy.scope():
+    layers = _make_layers(seed=12)
+    pipe = GPipe(layers, devices=TOWER_PIPELINES, num_micro_batches=2)
+  x = _input(batch=4)
+  run = lambda: strategy.call_for_each_tower(lambda: pipe(x, training=True))  # pylint: disable=unnecessary-lambda
+  if mode == "function":
+    run = tf.function(run)
+  with strategy.scope():
+    out = run()  # The first call builds the layers once, in cross-tower context.
+  columns = [tuple(TOWER_PIPELINES[t][s] for t in TOWERS) for s in range(2)]
+  for stage, stage_layers in enumerate(pipe.stages):
+    for layer in stage_layers:
+      for v in getattr(layer, "variables", []):
+        assert v.value.devices == columns[stage]
+  expected = _sequential(layers, x)
+  for value in out.values:
+    np.testing.assert_allclose(value, expected, **TOL)
