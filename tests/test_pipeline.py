@@ -281,6 +281,35 @@ def test_tf_module_callable_with_its_own_variable():
     np.testing.assert_allclose(g, e, **TOL)
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_recompute_replays_dropout_and_updates_moving_statistics_once(mode):
+  keras.utils.set_random_seed(10)
+  layers = [keras.layers.Dense(12), keras.layers.Dropout(0.5, seed=4),
+            keras.layers.BatchNormalization(), keras.layers.Dense(3)]
+  keep = GPipe(layers, devices=CPUS[:2], num_micro_batches=4, partition=[2, 2])
+  again = GPipe(layers, devices=CPUS[:2], num_micro_batches=4, partition=[2, 2],
+                recompute=True)
+  keep.build((BATCH, FEATURES))
+  state = [v for layer in layers for v in layer.non_trainable_variables]
+  initial = [v.numpy() for v in state]
+  x = _input(seed=5)
+  results = []
+  for pipe in (keep, again):
+    for v, value in zip(state, initial):
+      v.assign(value)
+    step = functools.partial(_loss_and_grads, lambda t, p=pipe: p(t, training=True),
+                             pipe.trainable_variables)
+    if mode == "function":
+      step = tf.function(step)
+    y, grads = step(x)
+    results.append((y, grads, [v.numpy() for v in state]))
+  (y1, g1, s1), (y2, g2, s2) = results
+  np.testing.assert_allclose(y2, y1, **TOL)
+  for a, b in zip(g2 + s2, g1 + s1):  # Same masks; moving statistics updated once per cell.
+    np.testing.assert_allclose(a, b, **TOL)
+  assert not np.allclose(s1[1], initial[1])  # The moving mean did move.
+
+
 def test_persistent_tape_and_tape_outside_the_function():
   layers, sizes = _shared(2)
   pipe = GPipe(layers, devices=CPUS[:2], num_micro_batches=2, partition=sizes)

@@ -167,13 +167,24 @@ def _trace_one(layers, index, shape, dtype):
   layer = layers[index]
   if is_keras_layer(layer):
     try:
-      clone = type(layer).from_config(layer.get_config())
+      config = layer.get_config()
     except Exception:  # pylint: disable=broad-except
       return None, _keras_output_shape(layers, index, shape), dtype, []
     build_config = layer.get_build_config() if layer.built else None
-    return _trace_in_graph(layers, index, clone, shape, dtype, build_config=build_config)
+
+    def make_clone():  # Called inside the scratch graph: the clone's state lives there.
+      clone = type(layer).from_config(config)
+      if build_config is not None:
+        try:
+          clone.build_from_config(build_config)
+        except Exception:  # pylint: disable=broad-except
+          pass  # Built by its first call instead.
+      return clone
+
+    return _trace_in_graph(layers, index, make_clone, shape, dtype)
   try:
-    return _trace_in_graph(layers, index, layer, shape, dtype, eager_state_error=True)
+    return _trace_in_graph(layers, index, lambda: layer, shape, dtype,
+                           eager_state_error=True)
   except LayerError:
     raise
   except Exception:  # pylint: disable=broad-except
@@ -198,9 +209,8 @@ def _keras_output_shape(layers, index, shape):
     raise _mismatch(layers, index, shape, e) from e
 
 
-def _trace_in_graph(layers, index, layer, shape, dtype, build_config=None,
-                    eager_state_error=False):
-  """Traces `layer` (the original or a Keras clone) in a scratch graph.
+def _trace_in_graph(layers, index, make_layer, shape, dtype, eager_state_error=False):
+  """Traces `make_layer()` (the original, or a Keras clone made there) in a scratch graph.
 
   With `eager_state_error`, an error caused by reading eager state is re-raised as it is
   (the caller then traces a tf.function); any other error means the layer does not fit.
@@ -208,11 +218,11 @@ def _trace_in_graph(layers, index, layer, shape, dtype, build_config=None,
   graph = tf.Graph()
   with graph.as_default():
     x = tf.compat.v1.placeholder(dtype, _concrete(shape))
-    if build_config is not None:
-      try:
-        layer.build_from_config(build_config)
-      except Exception:  # pylint: disable=broad-except
-        pass  # Built on the first call below instead.
+    try:
+      layer = make_layer()
+    except Exception:  # pylint: disable=broad-except
+      # from_config() does not rebuild this layer: count it as unknown.
+      return None, _keras_output_shape(layers, index, shape), dtype, []
     try:
       call_layer(layer, x, training=True)  # Builds: creates (never runs) its variables.
       first = len(graph.get_operations())

@@ -308,8 +308,10 @@ class GPipe(tf.Module):
       layers = self._layers[a:b]
       variables = _unique([as_tf_variable(v) for layer in layers
                            for v in _layer_variables(layer, True)])
+      state = _unique([as_tf_variable(v) for layer in layers
+                       for v in _layer_variables(layer, False)])
       stages.append(_schedule.Stage(
-          s, devices[s], _stage_function(layers, training), variables,
+          s, devices[s], _stage_function(layers, training), variables, state=state,
           context=lambda device=devices[s]: context(device)))
     return _schedule.run(stages, x, self._num_micro_batches, self._recompute,
                          name=self.name)

@@ -41,18 +41,20 @@ class Stage:
     device: where its ops and variables are.
     fn: `fn(x) -> y`, the stage's layers applied in order.
     variables: the TensorFlow variables to differentiate (what the layers declare).
+    state: the layers' other variables (random seeds, moving statistics): a recomputed
+      cell starts from the values they had before the cell's forward pass, and leaves
+      them as it found them.
     context: a function returning a context manager to enter around the stage's ops
       (besides its device), e.g. one that makes mirrored variables read the stage's copy.
-    describe: a function of a variable, naming the layer that owns it, for messages.
   """
 
-  def __init__(self, index, device, fn, variables, context=None, describe=None):
+  def __init__(self, index, device, fn, variables, state=(), context=None):
     self.index = index
     self.device = device
     self.fn = fn
     self.variables = list(variables)
+    self.state = list(state)
     self._context = context or contextlib.nullcontext
-    self.describe = describe
 
   @contextlib.contextmanager
   def scope(self, name):
@@ -114,6 +116,8 @@ def run(stages, x, num_micro_batches, recompute, name="gpipe"):
         inp = micro_batches[k] if s == 0 else cells.outputs[k, s - 1]
         after = [cells.outputs[k - 1, s]] if k > 0 else []
         with stage.scope(f"forward/stage_{s}/micro_batch_{k}"), _after(after):
+          if recording and stage.state:
+            cells.states[k, s] = [tf.identity(v) for v in stage.state]
           if recording and not recompute:
             tape = tf.GradientTape()
             with tape:
@@ -140,12 +144,13 @@ def run(stages, x, num_micro_batches, recompute, name="gpipe"):
 
 
 class _Cells:
-  """What the forward pass keeps per cell (k, s): its input, output and tape."""
+  """What the forward pass keeps per cell (k, s): input, output, tape, state values."""
 
   def __init__(self):
     self.inputs = {}
     self.outputs = {}
     self.tapes = {}
+    self.states = {}  # The stage's state variables' values before the cell.
 
 
 def _backward(stages, cells, d_result, x, num_micro_batches, name):
@@ -172,11 +177,12 @@ def _backward(stages, cells, d_result, x, num_micro_batches, name):
         if tape is None:
           with _after([dy]):  # Recompute when the gradient arrives, not earlier.
             inp = tf.identity(inp)
-          with tf.GradientTape() as tape:
-            if _differentiable(inp):
-              tape.watch(inp)
-            tape.watch(stage.variables)
-            y = stage.fn(inp)
+          with _replayed_state(stage, cells.states.get((k, s))):
+            with tf.GradientTape() as tape:
+              if _differentiable(inp):
+                tape.watch(inp)
+              tape.watch(stage.variables)
+              y = stage.fn(inp)
           _check_declared(stage, tape)
         else:
           y = cells.outputs[k, s]
@@ -199,6 +205,24 @@ def _backward(stages, cells, d_result, x, num_micro_batches, name):
         d_x = _concat([tf.zeros_like(cells.inputs[k, 0]) if d is None else d
                        for k, d in enumerate(d_parts)])
   return [d_x] + [g for stage_grads in grads for g in stage_grads]
+
+
+@contextlib.contextmanager
+def _replayed_state(stage, before):
+  """Sets the stage's state to `before` for a recomputation, then restores it.
+
+  So a recomputed Dropout draws the mask it drew in the forward pass, and moving
+  statistics are updated once per cell, not twice.
+  """
+  if not before:
+    yield
+    return
+  now = [tf.identity(v) for v in stage.state]
+  for v, value in zip(stage.state, before):
+    v.assign(value)
+  yield
+  for v, value in zip(stage.state, now):
+    v.assign(value)
 
 
 def _split(x, num_micro_batches):
