@@ -8,9 +8,9 @@ ratios mean anything):
       layers in sequence on one device, then GPipe over 4 devices for each M in
       --micro_batches, with and without re-materialization. Contenders are timed in
       interleaved rounds; the median is reported.
-  (b) the bubble: one step of each GPipe contender is traced with TensorFlow's profiler;
-      every op of cell (micro-batch k, stage s) carries `stage_s` in its name, so the
-      trace gives each device's busy intervals. Measured bubble = 1 - (sum over devices
+  (b) the bubble: --traces steps of each GPipe contender are traced with TensorFlow's
+      profiler (medians reported); every op of cell (micro-batch k, stage s) carries
+      `stage_s` in its name, so the trace gives each device's busy intervals. Measured bubble = 1 - (sum over devices
       of busy time) / (S * step span), next to GPipe's (S - 1) / (M + S - 1). The trace
       also gives the time during which two or more stages run at once.
   (c) peak memory of one training step above the memory in use before it, from
@@ -56,6 +56,7 @@ flags.DEFINE_integer("batch", 1024, "Global batch size.")
 flags.DEFINE_list("micro_batches", ["1", "4", "8", "16"], "Values of M to measure.")
 flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds.")
 flags.DEFINE_integer("steps_per_round", 3, "Timed steps per contender per round.")
+flags.DEFINE_integer("traces", 3, "Traced steps per GPipe contender (medians reported).")
 flags.DEFINE_integer("inter_op_threads", 0,
                      "TensorFlow's inter-op thread pool size (0: TensorFlow's default, "
                      "the number of cores); it caps how many ops run at once.")
@@ -134,6 +135,17 @@ def summarize_trace(intervals, num_stages):
   return {"span_us": span, "busy_fraction": {s: busy[s] / span for s in sorted(busy)},
           "bubble": 1.0 - sum(busy.values()) / (num_stages * span),
           "concurrent_fraction": concurrent / span, "max_concurrent_stages": most}
+
+
+def median_summary(summaries):
+  """The median of each figure over several traced steps."""
+  result = {}
+  for key, value in summaries[0].items():
+    if isinstance(value, dict):
+      result[key] = {s: statistics.median(x[key][s] for x in summaries) for s in value}
+    else:
+      result[key] = statistics.median(x[key] for x in summaries)
+  return result
 
 
 # --- contenders ----------------------------------------------------------------------------
@@ -230,14 +242,15 @@ def main(argv):
       row["stages"] = pipe.stage_sizes
       m = pipe.num_micro_batches
       row["bubble_gpipe"] = (num_stages - 1) / (m + num_stages - 1)
-      row.update(summarize_trace(trace(step, x), num_stages))
+      summaries = [summarize_trace(trace(step, x), num_stages) for _ in range(FLAGS.traces)]
+      row.update(median_summary(summaries))
     rows.append(row)
   print_table(rows, devices)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
       json.dump({"flags": {k: FLAGS[k].value for k in ("layers", "width", "batch",
                                                        "micro_batches", "rounds",
-                                                       "steps_per_round",
+                                                       "steps_per_round", "traces",
                                                        "inter_op_threads")},
                  "devices": devices, "rows": rows}, f, indent=1)
 
@@ -257,7 +270,7 @@ def print_table(rows, devices):
     if r["stages"] is not None:
       busy = " ".join(f"{b:.2f}" for b in r["busy_fraction"].values())
       line += (f"{r['bubble']:>8.2f}{r['bubble_gpipe']:>7.2f}"
-               f"{r['concurrent_fraction']:>9.2f}{r['max_concurrent_stages']:>5}  {busy}")
+               f"{r['concurrent_fraction']:>9.2f}{r['max_concurrent_stages']:>5.0f}  {busy}")
     print(line)
   by_name = {r["contender"]: r for r in rows}
   print("\nRatios:")
