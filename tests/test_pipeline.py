@@ -77,6 +77,12 @@ def _shared(num_stages):
   return layers, pipe.stage_sizes
 
 
+def test_import_diststrat_makes_the_pipeline_available():
+  assert ds.pipeline.GPipe is GPipe and ds.pipeline.partition is partition
+  assert "pipeline" in ds.__all__
+  assert sorted(ds.pipeline.__all__) == ["GPipe", "estimate_costs", "partition"]
+
+
 # --- partition -----------------------------------------------------------------------
 
 

@@ -78,7 +78,7 @@ def _check_costs(costs):
     values = [float(c) for c in costs]
   except (TypeError, ValueError) as e:
     raise ValueError("partition() takes a sequence of numbers, one cost per layer. "
-                     f"Received: costs={costs!r}") from e
+                     f"Received: costs={costs!r}. Pass e.g. [1.0, 2.5, 0.0].") from e
   if not values:
     raise ValueError("partition() needs at least one cost. Received: costs=[]. Pass one "
                      "cost per layer.")
