@@ -14,6 +14,7 @@ from diststrat import optimizers as optimizers
 from diststrat import values as values
 from diststrat import strategies as strategies
 from diststrat import cluster as cluster
+from diststrat import pipeline as pipeline
 from diststrat._context import TowerContext as TowerContext
 from diststrat._context import get_cross_tower_context as get_cross_tower_context
 from diststrat._context import get_distribution_strategy as get_distribution_strategy
@@ -50,4 +51,5 @@ __all__ = [
     "values",
     "strategies",
     "cluster",
+    "pipeline",
 ]
