@@ -29,6 +29,11 @@ Reaches, by what needs them:
   (`install_error_translator`).
 - Keras 3 variables hold their TensorFlow variable in `_value`
   (`keras_backing_variable`).
+- The pipeline (diststrat/pipeline) runs its own backward schedule: it records one tape
+  entry whose inputs it chooses (`record_backward`, `should_record`) and pauses every
+  tape of the thread while re-materialized stages run (`stop_recording`).
+  `tf.custom_gradient` would route every variable it reads through one op on the
+  caller's device, copying each stage's weights there every step.
 - Inside `tf.function`, AutoGraph rebuilds errors raised in converted code from their
   message, as another type (`StagingError`) and without their notes, unless they are
   marked to pass through (`pass_through_autograph`, `pass_through_autograph_class`).
@@ -52,6 +57,7 @@ import re
 from tensorflow.python.eager import context as _eager_context  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import core as _eager_core  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import execute as _execute  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.eager import record as _record  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import ops as _ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import collective_ops as _collective_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
@@ -362,6 +368,28 @@ def uninstall_error_translator():
       original = getattr(getattr(module, name, None), _TRANSLATOR_MARK, None)
       if original is not None:
         setattr(module, name, original)
+
+
+# --- tapes ----------------------------------------------------------------------------
+
+
+def record_backward(op_name, outputs, inputs, backward):
+  """Records on every active tape of this thread: `outputs` were computed from `inputs`.
+
+  `backward(*output_gradients)` returns one gradient (or None) per input. What
+  `tf.custom_gradient` is built on, without its routing through one device.
+  """
+  _record.record_operation_backprop_only(op_name, outputs, inputs, backward)
+
+
+def stop_recording():
+  """Context manager: no tape of this thread records while it is entered."""
+  return _record.stop_recording()
+
+
+def should_record(tensors):
+  """True when some active tape of this thread watches one of `tensors`."""
+  return _record.should_record_backprop(tensors)
 
 
 # --- Keras ---------------------------------------------------------------------------

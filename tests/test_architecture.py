@@ -28,7 +28,8 @@ LAYERS = [
     ("strategies", ["strategies._default", "strategies._mirrored",
                     "strategies._parameter_server", "strategies"]),
     ("applications", ["cluster._local_cluster", "cluster", "cluster._child", "demo",
-                      "values", ""]),
+                      "pipeline._partition", "pipeline._cost", "pipeline._schedule",
+                      "pipeline._gpipe", "pipeline", "values", ""]),
 ]
 ALLOWED_FUNCTION_IMPORTS = {("_context", "strategies._default")}
 

@@ -491,10 +491,6 @@ def test_two_towers_of_two_stages_in_a_tf_function(no_thread_leak):
   _check_towers_trained(pipe, _expected_one_device("ds_sgd", xs, ys))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "diststrat's optimizers inside tf.function: _distributed_apply passes each "
-    "variable's update ops (Mirrored over the variable's devices) to update_non_slot on "
-    "the strategy's devices; pipeline stages live on other devices. See docs/pipeline.md."))
 def test_two_towers_diststrat_optimizer_in_a_tf_function():
   xs, ys = _training_data()
   pipe = _train_towers("ds_momentum", "function", xs, ys, apply_with="optimizer")

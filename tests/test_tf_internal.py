@@ -387,3 +387,27 @@ def test_install_error_translator():
 def test_error_means_connection_lost(error_type, text, lost):
   assert _tf_internal.error_means_connection_lost(error_type(None, None, text)) is lost, \
       _broke("error_means_connection_lost", text)
+
+
+# --- tapes ---------------------------------------------------------------------------------
+
+
+def test_record_backward_and_should_record():
+  x = tf.constant(3.0)
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    assert _tf_internal.should_record([x]), _broke("should_record", "a watched tensor")
+    with _tf_internal.stop_recording():
+      y = x * x  # Not recorded: the custom entry below stands for it.
+    _tf_internal.record_backward("Square", [y], [x], lambda dy: [dy * 10.0])
+  assert float(tape.gradient(y, x)) == 10.0, _broke("record_backward", "wrong gradient")
+  assert not _tf_internal.should_record([tf.constant(1.0)])
+
+
+def test_stop_recording():
+  x = tf.constant(2.0)
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    with _tf_internal.stop_recording():
+      y = x * x
+  assert tape.gradient(y, x) is None, _broke("stop_recording", "the tape still recorded")

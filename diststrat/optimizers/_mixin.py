@@ -57,8 +57,10 @@ class DistributedOptimizerMixin:
     reduced = distribution.batch_reduce("sum", [(g, v) for g, v in pairs])
     self._create_state(var_list, distribution)
     self._prepare()
-    update_ops = [distribution.update(v, lambda component, grad: self._apply_one(grad, component), g)
-                  for g, (_, v) in zip(reduced, pairs)]
+    update_ops = [
+        distribution.group(distribution.update(
+            v, lambda component, grad: self._apply_one(grad, component), g))
+        for g, (_, v) in zip(reduced, pairs)]  # One op each: their devices differ.
     finish = distribution.update_non_slot(distribution.non_slot_devices(var_list),
                                           self._finish, update_ops, name or self.name)
     if global_step is not None:

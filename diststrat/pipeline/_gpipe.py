@@ -19,7 +19,7 @@ from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _devices
 from diststrat import errors
-from diststrat._strategy import as_tf_variable
+from diststrat._arguments import as_tf_variable
 from diststrat.pipeline import _cost
 from diststrat.pipeline import _partition
 from diststrat.pipeline import _schedule
@@ -383,7 +383,7 @@ def _layer_list(layers):
 def _resolve_devices(devices):
   """{tower device or None: tuple of stage devices}, every device canonical and used once."""
   if devices is None:
-    devices = _mirrored.local_devices()
+    devices = _devices.local_devices()
   if isinstance(devices, dict):
     if not devices:
       raise ValueError("devices={} names no tower. Received: devices={}. Give "

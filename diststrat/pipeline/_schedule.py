@@ -29,7 +29,7 @@ its device, once the output gradient has arrived, and differentiates that.
 import contextlib
 
 from diststrat._tf import tf
-from diststrat.pipeline import _tape
+from diststrat import _tf_internal
 from diststrat.values import _wrapped
 
 
@@ -104,12 +104,12 @@ def run(stages, x, num_micro_batches, recompute, name="gpipe"):
     for stage in stages:
       with tf.device(stage.device):
         reads.extend(tf.convert_to_tensor(v) for v in stage.variables)
-    recording = _tape.should_record([x] + reads)
+    recording = _tf_internal.should_record([x] + reads)
 
     with tf.device(stages[0].device):
       micro_batches = _split(x, num_micro_batches)
     cells = _Cells()
-    pause = _tape.stop_recording() if (recompute or not recording) else contextlib.nullcontext()
+    pause = _tf_internal.stop_recording() if (recompute or not recording) else contextlib.nullcontext()
     with pause:
       for k, s in forward_order(num_micro_batches, num_stages):
         stage = stages[s]
@@ -139,7 +139,7 @@ def run(stages, x, num_micro_batches, recompute, name="gpipe"):
     def backward(d_result):
       return _backward(stages, cells, d_result, x, num_micro_batches, name)
 
-    _tape.record_backward("GPipe", [result], [x] + reads, backward)
+    _tf_internal.record_backward("GPipe", [result], [x] + reads, backward)
     return result
 
 
