@@ -27,6 +27,7 @@ from diststrat._input import PerDeviceDataset as PerDeviceDataset
 from diststrat._strategy import DistributionStrategy as DistributionStrategy
 from diststrat.strategies import DefaultStrategy as DefaultStrategy
 from diststrat.strategies import MirroredStrategy as MirroredStrategy
+from diststrat.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from diststrat.strategies import ParameterServerStrategy as ParameterServerStrategy
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "DefaultStrategy",
     "MirroredStrategy",
     "ParameterServerStrategy",
+    "MultiWorkerMirroredStrategy",
     "TowerContext",
     "get_tower_context",
     "get_cross_tower_context",

@@ -27,11 +27,22 @@ class PerDeviceDataset:
     [[0, 1, 2], [3, 4, 5]]
   """
 
-  def __init__(self, dataset, devices=None, prefetch=True):
+  def __init__(self, dataset, devices=None, prefetch=True, first_tower=0, num_towers=None):
+    """See the class docstring.
+
+    Args:
+      dataset: a `tf.data.Dataset` of global batches.
+      devices: the towers' devices (None: batches pass through unchanged).
+      prefetch: prefetch batches.
+      first_tower, num_towers: with several processes, each batch is split into
+        `num_towers` parts (default: one per device) and this process takes the
+        `len(devices)` parts from `first_tower` on: its share of every global batch.
+    """
     if not isinstance(dataset, tf.data.Dataset):
       raise TypeError("distribute_dataset() needs dataset_fn to return a tf.data.Dataset of "
                       f"global batches. Received: {type(dataset).__name__}")
     self._devices = tuple(devices) if devices else None
+    self._share = (first_tower, num_towers or len(self._devices or ()))
     self._dataset = dataset.prefetch(tf.data.AUTOTUNE) if prefetch else dataset
 
   @property
@@ -40,7 +51,7 @@ class PerDeviceDataset:
     return self._dataset
 
   def __iter__(self):
-    return PerDeviceIterator(iter(self._dataset), self._devices)
+    return PerDeviceIterator(iter(self._dataset), self._devices, self._share)
 
   def make_one_shot_iterator(self):
     """An iterator over the per-tower batches, with `get_next()`."""
@@ -50,9 +61,10 @@ class PerDeviceDataset:
 class PerDeviceIterator:
   """Iterator of a `PerDeviceDataset`: `next(it)` or `it.get_next()`."""
 
-  def __init__(self, iterator, devices):
+  def __init__(self, iterator, devices, share=None):
     self._iterator = iterator
     self._devices = devices
+    self._first, self._total = share or (0, len(devices or ()))
 
   def __iter__(self):
     return self
@@ -74,7 +86,7 @@ class PerDeviceIterator:
       raise TypeError("distribute_dataset() splits dense tensors along their first axis; "
                       f"got a {type(batch).__name__}. Convert it to a dense tensor in the "
                       "dataset (for example with .map()).")
-    n = len(self._devices)
+    n = self._total
     static = batch.shape[0] if batch.shape.rank else None
     if batch.shape.rank == 0:
       raise ValueError("distribute_dataset() needs batched elements (a first axis to split); "
@@ -91,7 +103,7 @@ class PerDeviceIterator:
         base = size // n
         extra = size % n
         sizes = base + tf.cast(tf.range(n, dtype=tf.int64) < extra, tf.int64)
-    parts = tf.split(batch, sizes, num=n, axis=0)
+    parts = tf.split(batch, sizes, num=n, axis=0)[self._first:self._first + len(self._devices)]
     placed = {}
     for device, part in zip(self._devices, parts):
       with tf.device(device):

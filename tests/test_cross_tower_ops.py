@@ -444,7 +444,7 @@ def test_choose_cross_tower_ops():
 def test_public_names():
   assert set(cross_tower_ops.__all__) == {
       "CrossTowerOps", "ReductionToOneDevice", "AllReduceCrossTowerOps",
-      "choose_cross_tower_ops"}
+      "choose_cross_tower_ops", "CrossWorkerAllReduce"}
   assert issubclass(AllReduceCrossTowerOps, CrossTowerOps)
   assert issubclass(ReductionToOneDevice, CrossTowerOps)
   ops = AllReduceCrossTowerOps("naive", num_packs=2, timeout=5)

@@ -5,7 +5,8 @@ where FD is its end of a socket pair, and sends one job (a dict) over it:
 
 - {"kind": "ps", ...}: start a `tf.distribute.Server` for the task, answer
   ("ready", pid), then serve until the parent closes the socket (or dies).
-- {"kind": "worker", ...}: build a `ParameterServerStrategy` for the task, run
+- {"kind": "worker", ...}: build the strategy the job names (`ParameterServerStrategy`
+  or `MultiWorkerMirroredStrategy`) for the task, run
   `fn(strategy, **kwargs)`, answer ("ok", pickled result) or ("error", ...), and exit.
 
 Every child exits when its parent dies (it watches its parent process id), so no
@@ -25,7 +26,11 @@ import types
 from multiprocessing import connection
 
 from diststrat._tf import tf
+from diststrat.strategies import MultiWorkerMirroredStrategy
 from diststrat.strategies import ParameterServerStrategy
+
+_STRATEGIES = {"parameter_server": ParameterServerStrategy,
+               "multi_worker": MultiWorkerMirroredStrategy}
 
 _PARENT_POLL = 0.5
 
@@ -78,7 +83,11 @@ def _run_worker(conn, job):
       _load_main(job["main_path"])
     fn = pickle.loads(job["fn"])
     kwargs = pickle.loads(job["kwargs"])
-    strategy = ParameterServerStrategy(
+    if job.get("cpus") and not tf.config.list_physical_devices("GPU"):
+      tf.config.set_logical_device_configuration(
+          tf.config.list_physical_devices("CPU")[0],
+          [tf.config.LogicalDeviceConfiguration()] * job["cpus"])
+    strategy = _STRATEGIES[job.get("strategy", "parameter_server")](
         cluster_spec=job["cluster_spec"], task_type=job["task_type"],
         task_id=job["task_id"], **job["strategy_kwargs"])
     result = fn(strategy, **kwargs)

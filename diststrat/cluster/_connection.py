@@ -50,12 +50,18 @@ def _check_address(job, address):
         f"65535, such as '127.0.0.1:2222' or '[::1]:2222'. Received: {address!r}")
 
 
-def normalize_cluster_spec(cluster_spec, task_type, task_id):
+def normalize_cluster_spec(cluster_spec, task_type, task_id, with_ps=True):
   """Returns `cluster_spec` as {job: [address, ...]} after checking it and the task.
 
+  Args:
+    cluster_spec: a dict {job: [address, ...]} or a `tf.train.ClusterSpec`.
+    task_type, task_id: this process's task; it must be in the spec.
+    with_ps: a parameter-server cluster (it needs a "ps" job) or, if False, a cluster of
+      workers only (for `MultiWorkerMirroredStrategy`; no "ps" job).
+
   Raises:
-    ValueError: the spec is not a dict of address lists, has no PS task, or does not
-      hold the task (`task_type`, `task_id`).
+    ValueError: the spec is not a dict of address lists, has no PS task (or has one when
+      `with_ps` is False), or does not hold the task (`task_type`, `task_id`).
   """
   if isinstance(cluster_spec, tf.train.ClusterSpec):
     cluster_spec = cluster_spec.as_dict()
@@ -64,7 +70,16 @@ def normalize_cluster_spec(cluster_spec, task_type, task_id):
                      "'worker': ['host:port', ...]}. Received: "
                      f"cluster_spec={cluster_spec!r}")
   spec = {job: _check_addresses(job, addresses) for job, addresses in cluster_spec.items()}
-  if not spec.get(PS_JOB):
+  if not with_ps:
+    if spec.get(PS_JOB):
+      raise ValueError("MultiWorkerMirroredStrategy runs on worker tasks only, but "
+                       f"cluster_spec has a 'ps' job. Received: cluster_spec={cluster_spec!r}."
+                       " Use ParameterServerStrategy for a cluster with parameter servers.")
+    spec.pop(PS_JOB, None)
+    if not any(spec.values()):
+      raise ValueError("cluster_spec needs at least one worker task, such as {'worker': "
+                       f"['host:port', ...]}}. Received: cluster_spec={cluster_spec!r}")
+  elif not spec.get(PS_JOB):
     raise ValueError("cluster_spec needs at least one parameter server: a 'ps' job with "
                      f"one address or more. Received: cluster_spec={cluster_spec!r}")
   if task_type == PS_JOB or task_type not in spec:
@@ -96,7 +111,7 @@ class ClusterConnection:
     self.ps_tasks = tuple(f"/job:{PS_JOB}/replica:0/task:{i}"
                           for i in range(len(cluster_spec[PS_JOB])))
     self.ps_devices = tuple(f"{task}/device:CPU:0" for task in self.ps_tasks)
-    self.guard = _watchdog.StepGuard(self.ps_tasks, lambda task: f"{task}/device:CPU:0",
+    self.guard = _watchdog.StepGuard(self.ps_tasks, _watchdog.probe_with_an_op,
                                      step_timeout, name)
     self.names = _shared_variables.SharedNames()
     # From now on, a task's death raised by any op of this process names the task.

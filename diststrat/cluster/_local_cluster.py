@@ -39,6 +39,7 @@ _KILL_WAIT = 10.0
 _POLL = 0.05
 _CHILD_MAIN = "from diststrat.cluster import _child; _child.main()"
 _JOBS = ("ps", "worker")
+STRATEGIES = ("parameter_server", "multi_worker")
 
 _running_clusters = weakref.WeakSet()
 
@@ -224,18 +225,22 @@ class _WorkerRun:
 
 
 class LocalCluster:
-  """A parameter-server cluster of processes on this machine, for tests and examples.
+  """A cluster of processes on this machine, for tests and examples.
 
   Starts `num_ps` PS tasks (`tf.distribute.Server` processes) on free loopback ports,
   gives the `num_workers` worker tasks fixed ports, and runs functions on the workers
-  with `run_on_workers`. Use it as a context manager: every process is stopped on
-  exit, also when the body raises.
+  with `run_on_workers`, each with a strategy for its task: a `ParameterServerStrategy`
+  when the cluster has PS tasks, a `MultiWorkerMirroredStrategy` (synchronous training
+  across the workers) when `num_ps=0`. Use it as a context manager: every process is
+  stopped on exit, also when the body raises.
 
   Args:
-    num_ps: number of PS tasks.
+    num_ps: number of PS tasks (0: workers only).
     num_workers: number of worker tasks.
-    strategy_kwargs: extra arguments of each worker's `ParameterServerStrategy`, such
-      as {"step_timeout": 10, "variable_placement": "round_robin"}.
+    strategy_kwargs: extra arguments of each worker's strategy, such as
+      {"step_timeout": 10, "variable_placement": "round_robin"}.
+    cpus_per_worker: on machines without GPUs, split each worker process's CPU into this
+      many logical devices (its towers); None leaves TensorFlow's default (one).
     start_timeout: seconds a PS server may take to start.
     result_timeout: seconds `run_on_workers` waits for the workers' results.
     host: the address the servers listen on (loopback by default).
@@ -255,12 +260,15 @@ class LocalCluster:
   """
 
   def __init__(self, num_ps=1, num_workers=1, *, strategy_kwargs=None,
-               start_timeout=DEFAULT_START_TIMEOUT, result_timeout=DEFAULT_RESULT_TIMEOUT,
-               host="127.0.0.1"):
-    for name, value in (("num_ps", num_ps), ("num_workers", num_workers)):
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+               cpus_per_worker=None, start_timeout=DEFAULT_START_TIMEOUT,
+               result_timeout=DEFAULT_RESULT_TIMEOUT, host="127.0.0.1"):
+    for name, value, least in (("num_ps", num_ps, 0), ("num_workers", num_workers, 1),
+                               ("cpus_per_worker", cpus_per_worker or 1, 1)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        kind = "a non-negative" if least == 0 else "a positive"
+        raise ValueError(f"{name} must be {kind} integer. Received: {name}={value!r}")
     self.num_ps = num_ps
+    self._cpus_per_worker = cpus_per_worker
     self.num_workers = num_workers
     self._strategy_kwargs = dict(strategy_kwargs or {})
     self._start_timeout = float(start_timeout)
@@ -285,7 +293,7 @@ class LocalCluster:
 
   @property
   def cluster_spec(self):
-    """{"ps": ["127.0.0.1:port", ...], "worker": [...]}: a copy."""
+    """{"ps": ["127.0.0.1:port", ...], "worker": [...]} (no "ps" if num_ps=0): a copy."""
     self._check_running()
     return {job: list(addresses) for job, addresses in self._spec.items()}
 
@@ -301,6 +309,8 @@ class LocalCluster:
           "ps": [f"{self._host}:{p}" for p in ports[:self.num_ps]],
           "worker": [f"{self._host}:{p}" for p in ports[self.num_ps:]],
       }
+      if not self.num_ps:
+        del self._spec["ps"]
     try:
       self._ps = [self._start_ps(i) for i in range(self.num_ps)]
       deadline = time.monotonic() + self._start_timeout
@@ -373,14 +383,17 @@ class LocalCluster:
       self._child(task_type, task_id)  # Checks the task.
       self._run.restart(task_id)
 
-  def run_on_workers(self, fn, **kwargs):
+  def run_on_workers(self, fn, strategy=None, **kwargs):
     """Runs `fn(strategy, **kwargs)` in one fresh process per worker task, all at once.
 
-    Each process gets a `ParameterServerStrategy` connected to the cluster as its own
-    worker task. Waits at most `result_timeout` seconds.
+    Each process gets a strategy for its own worker task of the cluster. Waits at most
+    `result_timeout` seconds.
 
     Args:
       fn: a module-level function (it is pickled): `fn(strategy, **kwargs)`.
+      strategy: "parameter_server" (`ParameterServerStrategy`, the default when the
+        cluster has PS tasks) or "multi_worker" (`MultiWorkerMirroredStrategy`, the
+        default without PS tasks).
       **kwargs: picklable keyword arguments for `fn`.
 
     Returns:
@@ -404,11 +417,18 @@ class LocalCluster:
     except Exception as e:  # pylint: disable=broad-except
       raise TypeError("run_on_workers() sends its keyword arguments to the worker "
                       f"processes by pickling them; these cannot be: {e}") from e
+    if strategy is None:
+      strategy = "parameter_server" if self.num_ps else "multi_worker"
+    if strategy not in STRATEGIES or (strategy == "parameter_server" and not self.num_ps):
+      raise ValueError(
+          f"strategy must be 'parameter_server' (a cluster with PS tasks) or 'multi_worker'. "
+          f"Received: strategy={strategy!r} for {self!r}.")
     main_path = None
     if getattr(fn, "__module__", None) == "__main__":
       main_path = getattr(sys.modules["__main__"], "__file__", None)
     job = {"kind": "worker", "fn": fn_bytes, "kwargs": kwargs_bytes, "main_path": main_path,
-           "strategy_kwargs": self._strategy_kwargs, "task_type": "worker"}
+           "strategy": strategy, "strategy_kwargs": self._strategy_kwargs,
+           "task_type": "worker", "cpus": self._cpus_per_worker}
     with self._lock:
       self._check_running()
       if self._run is not None:

@@ -52,6 +52,9 @@ _BLAME_TIME = 2.0  # Seconds spent asking the tasks which one failed, after an e
 _PROBE_RETRY = 0.25  # Seconds between two probes of a task that did not answer.
 
 
+_PS_ADVICE = "Restart the task, call strategy.reconnect(), then restore the last checkpoint."
+_PS_RESTARTED_ADVICE = "Call strategy.reconnect(), then restore the last checkpoint."
+
 _live_guards = weakref.WeakSet()  # The StepGuards of this process's cluster connections.
 _thread_state = threading.local()  # .raw: leave errors alone; .what: the guarded call.
 
@@ -84,6 +87,11 @@ def translate_error(error):
   with _raw_errors():
     return guard.translate(error, getattr(_thread_state, "what", None) or "an operation",
                            require_task=True)
+
+
+def probe_with_an_op(task):
+  """Probes `task` (a PS task) by running a tiny op on its CPU."""
+  _probe_function(f"{task}/device:CPU:0")().numpy()
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,16 +154,26 @@ class StepGuard:
 
   Args:
     tasks: the task names to blame and probe, such as "/job:ps/replica:0/task:0".
-    probe_device: `task -> device` on which a probe op runs.
+    probe: `probe(task)` returns if the task answers, raises if not (see
+      `probe_with_an_op`); it runs in its own daemon thread.
     timeout: seconds a call may take, or None for no limit (faults still become
       `ClusterError`).
     name: how log lines and errors name the owner (a strategy's repr).
     role: how messages name a task, such as "Parameter server task".
+    advice, restarted_advice: what a fault's message tells the user to do (a task died
+      or froze; a task restarted).
+    blame_silent_peers: when a call times out (`DeadlineExceededError`) although every
+      task answers, name them all as not having joined (collectives across workers).
   """
 
-  def __init__(self, tasks, probe_device, timeout, name, role="Parameter server task"):
+  def __init__(self, tasks, probe, timeout, name, role="Parameter server task",
+               advice=_PS_ADVICE, restarted_advice=_PS_RESTARTED_ADVICE,
+               blame_silent_peers=False):
     self.tasks = tuple(tasks)
-    self._probe_device = probe_device
+    self._probe = probe
+    self._advice = advice
+    self._restarted_advice = restarted_advice
+    self._blame_silent_peers = blame_silent_peers
     self.timeout = timeout
     self._name = name
     self._role = role
@@ -259,17 +277,24 @@ class StepGuard:
       return error
     if record and self._failure is None:
       self._failure = error
-    who = f"{self._role} {task}" if task else f"A {self._role.lower()}"
     summary = _tf_internal.error_summary(error)
+    if task is None and status is None and self._blame_silent_peers and isinstance(
+        error, tf.errors.DeadlineExceededError):
+      # Every peer answers, yet the collective timed out: they did not join it.
+      task = self.tasks[0] if len(self.tasks) == 1 else None
+      message = (f"{self._role}{'s' if len(self.tasks) > 1 else ''} "
+                 f"{', '.join(self.tasks)} answer{'' if len(self.tasks) > 1 else 's'} but "
+                 f"did not join the collective within its timeout: stopped calling it, or "
+                 f"slower than the timeout ({what} failed: {summary}). {self._advice}")
+      return errors.ClusterError(message, task=task)
+    who = f"{self._role} {task}" if task else f"A {self._role.lower()}"
     if status == "restarted" or (status is None and
                                  _tf_internal.error_means_task_restarted(error)):
       message = (f"{who} restarted since {self._name} connected to it, so the state it "
-                 f"held is gone ({what} failed: {summary}). Call strategy.reconnect(), "
-                 "then restore the last checkpoint.")
+                 f"held is gone ({what} failed: {summary}). {self._restarted_advice}")
     else:
       message = (f"{who} cannot be reached: it died or its network is down ({what} "
-                 f"failed: {summary}). Restart the task, call strategy.reconnect(), then "
-                 "restore the last checkpoint.")
+                 f"failed: {summary}). {self._advice}")
     return errors.ClusterError(message, task=task)
 
   def _blame(self, error):
@@ -346,7 +371,7 @@ class StepGuard:
     self._local.inside = True
     _thread_state.raw = True
     try:
-      _probe_function(self._probe_device(task))().numpy()
+      self._probe(task)
       result["status"] = "answers"
     except Exception as e:  # pylint: disable=broad-except
       if _tf_internal.error_means_task_restarted(e):

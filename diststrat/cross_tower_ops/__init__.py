@@ -8,6 +8,7 @@ docs/cross_tower_ops.md.
 from diststrat.cross_tower_ops._all_reduce import AllReduceCrossTowerOps as AllReduceCrossTowerOps
 from diststrat.cross_tower_ops._all_reduce import choose_cross_tower_ops as choose_cross_tower_ops
 from diststrat.cross_tower_ops._base import CrossTowerOps as CrossTowerOps
+from diststrat.cross_tower_ops._cross_worker import CrossWorkerAllReduce as CrossWorkerAllReduce
 from diststrat.cross_tower_ops._one_device import ReductionToOneDevice as ReductionToOneDevice
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "ReductionToOneDevice",
     "AllReduceCrossTowerOps",
     "choose_cross_tower_ops",
+    "CrossWorkerAllReduce",
 ]

@@ -84,6 +84,10 @@ class CrossTowerOps:
     """Advice added to the message of an error raised while the launched work runs."""
     return ""
 
+  # The sum and the mean of a value held on one device are that value: true unless the
+  # algorithm also reduces across values this process does not hold (other workers').
+  _one_value_is_the_total = True
+
   # Shared behaviour:
 
   def reduce(self, aggregation, per_device_value, destinations=None):
@@ -200,7 +204,7 @@ class CrossTowerOps:
     results = [None] * len(items)
     dense = []
     for i, (value, destinations) in enumerate(items):
-      if len(value) == 1:  # The sum and the mean of one value are that value.
+      if len(value) == 1 and self._one_value_is_the_total:
         results[i] = mirror(value.primary, destinations, source_device=value.devices[0])
       elif any(isinstance(c, tf.IndexedSlices) for c in value.values):
         results[i] = self._reduce_indexed_slices(aggregation, value, destinations)

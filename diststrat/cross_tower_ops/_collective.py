@@ -29,6 +29,8 @@ class _Keys:
     self._next_instance = _FIRST_INSTANCE_KEY
 
   def group_key(self, devices):
+    """The key of the group of `devices` (any order); the same in every process that
+    asks for its groups in the same order."""
     members = frozenset(devices)
     with self._lock:
       if members not in self._groups:
@@ -45,7 +47,7 @@ class _Keys:
 _KEYS = _Keys()
 
 
-def all_reduce(values, devices, mean, timeout, communication_hint="auto"):
+def all_reduce(values, devices, mean, timeout, communication_hint="auto", group=None):
   """Sums one tensor per device with one collective; every device gets the total.
 
   Must be built inside one graph (a `tf.function`): TensorFlow runs a collective only when
@@ -53,23 +55,42 @@ def all_reduce(values, devices, mean, timeout, communication_hint="auto"):
 
   Args:
     values: the tensors to add, `values[i]` on `devices[i]`; same dtype and shape.
-    devices: canonical device strings, one per value, all different.
-    mean: divide the total by `len(values)` (floating and complex dtypes only; the caller
-      divides integers itself, since the collective's division truncates).
+    devices: canonical device strings, one per value, all different: the members this
+      process launches.
+    mean: divide the total by the group's size (floating and complex dtypes only; the
+      caller divides integers itself, since the collective's division truncates).
     timeout: seconds a member waits for the others before failing; 0 waits forever.
     communication_hint: "auto" (ring on CPUs) or "nccl".
+    group: every device of the group, in every process (default: `devices`). Other
+      processes launch the members this one does not.
 
   Returns:
     A list with the reduced tensor on each of `devices`, in the same order.
   """
-  group_key = _KEYS.group_key(devices)
+  group = tuple(devices if group is None else group)
+  group_key = _KEYS.group_key(group)
   instance_key = _KEYS.instance_key()
   results = []
   for value, device in zip(values, devices):
     with tf.device(device):
       results.append(_tf_internal.collective_all_reduce(
-          value, len(devices), group_key, instance_key, mean, timeout, communication_hint))
+          value, len(group), group_key, instance_key, mean, timeout, communication_hint))
   return results
+
+
+def all_reduce_max(value, device, group, timeout):
+  """This process's member (on `device`) of a collective maximum over `group`."""
+  with tf.device(device):
+    return _tf_internal.collective_all_reduce_max(
+        value, len(group), _KEYS.group_key(group), _KEYS.instance_key(), timeout)
+
+
+def all_gather(value, device, group, timeout):
+  """This process's member of a collective gather over `group`: the members' values,
+  of one shape, concatenated along axis 0 in the group's order."""
+  with tf.device(device):
+    return _tf_internal.collective_all_gather(
+        value, len(group), _KEYS.group_key(group), _KEYS.instance_key(), timeout)
 
 
 def run_together(results, devices):

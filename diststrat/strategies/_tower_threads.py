@@ -67,9 +67,10 @@ class ThreadedTowerContext(_context.TowerContext):
 class _Tower:
   """One tower's thread and the hand-over state between it and the calling thread."""
 
-  def __init__(self, runner, tower_id, device, fn, args, kwargs):
+  def __init__(self, runner, index, device, fn, args, kwargs):
     self.runner = runner
-    self.tower_id = tower_id
+    self.index = index  # Among this runner's towers.
+    self.tower_id = runner.first_tower_id + index  # Among all towers of the strategy.
     self.device = device
     self._fn, self._args, self._kwargs = fn, args, kwargs
     self.go = threading.Event()      # caller -> tower: run until the next pause
@@ -86,7 +87,7 @@ class _Tower:
     self.merge_result = None
     self.variables_created = 0
     self.thread = threading.Thread(target=self._main, daemon=True,
-                                   name=f"diststrat-tower-{tower_id}")
+                                   name=f"diststrat-tower-{self.tower_id}")
 
   def _wait_for_go(self):
     if not self.go.wait(self.runner.timeout + _JOIN_TIMEOUT):
@@ -99,7 +100,7 @@ class _Tower:
     try:
       self._wait_for_go()
       context = ThreadedTowerContext(self, self.runner.strategy, self.tower_id,
-                                     len(self.runner.devices), self.device)
+                                     self.runner.num_towers, self.device)
       with self.runner.captured.enter(device=self.device), \
           self.runner.strategy._tower_scope(context):  # pylint: disable=protected-access
         self.result = self._fn(*self._args, **self._kwargs)
@@ -122,20 +123,22 @@ class _Tower:
     index = self.variables_created
     self.variables_created += 1
     name = kwargs.get("name")
-    if self.tower_id == 0:
+    if self.index == 0:
       variable = create()
       store.append((name, variable))
       return variable
     if index >= len(store):
       raise ValueError(
-          f"Tower {self.tower_id} created more variables than tower 0 (variable number "
+          f"Tower {self.tower_id} created more variables than tower "
+          f"{self.runner.first_tower_id} (variable number "
           f"{index}, name={name!r}). Every tower must create the same variables in the "
           "same order; create them in scope() before call_for_each_tower to be sure.")
     expected, variable = store[index]
     if expected != name:
       raise ValueError(
           f"Tower {self.tower_id}'s variable number {index} is named {name!r}, but tower "
-          f"0's is named {expected!r}. Every tower must create the same variables in the "
+          f"{self.runner.first_tower_id}'s is named {expected!r}. Every tower must create "
+          "the same variables in the "
           "same order.")
     return variable
 
@@ -154,10 +157,15 @@ class _Tower:
 class TowerRunner:
   """Runs `fn` once per device in tower threads; see the module docstring."""
 
-  def __init__(self, strategy, devices, timeout=DEFAULT_TOWER_TIMEOUT):
+  def __init__(self, strategy, devices, timeout=DEFAULT_TOWER_TIMEOUT, first_tower_id=0,
+               num_towers=None):
+    """Towers on `devices` have ids `first_tower_id`, ... out of `num_towers` (default:
+    one per device): a strategy over several processes numbers its towers globally."""
     self.strategy = strategy
     self.devices = tuple(devices)
     self.timeout = timeout
+    self.first_tower_id = first_tower_id
+    self.num_towers = len(self.devices) if num_towers is None else num_towers
     self.captured = None
     self.shared_variables = []  # (requested name, variable) created by tower 0, in order.
 

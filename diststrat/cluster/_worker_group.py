@@ -1,0 +1,96 @@
+"""A worker's place in a synchronous cluster: collectives across worker processes.
+
+`WorkerGroup` sets up this process as one task of a cluster of worker processes that
+run the same program (`MultiWorkerMirroredStrategy`). TensorFlow's gRPC runtime carries
+collective ops between them: this process starts its own server on its address in the
+cluster spec, and task 0 of the first job leads the collective groups.
+
+Faults: a collective waits for its peers at most the collective timeout. When one fails
+(a peer died, froze, or stopped calling the collective), the error becomes `ClusterError`
+naming the task at fault, found by asking every peer whether it is alive
+(`check_peer_health`, bounded): a dead peer refuses, a frozen one does not answer in
+time, a restarted one is a different task. If every peer answers, the peers that answer
+but did not join are named. TensorFlow aborts every later collective of a process once
+one failed, so the message says to restart the worker processes and restore the last
+checkpoint.
+"""
+
+from diststrat._tf import tf
+from diststrat import _devices
+from diststrat import _tf_internal
+from diststrat import errors
+from diststrat.cluster import _watchdog
+
+_PROBE_TIMEOUT = 1.0
+_ADVICE = ("TensorFlow aborts every later collective in a process once one failed: "
+           "restart every worker process (with LocalCluster, call run_on_workers again), "
+           "then restore the last checkpoint.")
+
+
+class WorkerGroup:
+  """This process's link to the other worker processes of its cluster.
+
+  Args:
+    cluster_spec: {job: [address, ...]} of worker tasks (already checked).
+    task_type, task_id: this process's task.
+    name: the owner's description, for messages.
+
+  Raises:
+    RuntimeError: TensorFlow was already initialized in this process.
+  """
+
+  def __init__(self, cluster_spec, task_type, task_id, name):
+    self.spec = cluster_spec
+    self.task_type = task_type
+    self.task_id = task_id
+    # Worker order: job by job, in the spec's order (a "chief" job, if any, first).
+    jobs = sorted(cluster_spec, key=lambda job: (job != "chief", list(cluster_spec).index(job)))
+    self.tasks = tuple(f"/job:{job}/replica:0/task:{i}" for job in jobs
+                       for i in range(len(cluster_spec[job])))
+    self.local_task = f"/job:{task_type}/replica:0/task:{task_id}"
+    self.index = self.tasks.index(self.local_task)
+    self.name = name
+    try:
+      _tf_internal.enable_cross_process_collectives(
+          tf.train.ClusterSpec(cluster_spec), task_type, task_id, leader=self.tasks[0])
+    except (RuntimeError, ValueError) as e:
+      raise errors.ContextError(
+          f"{name} must be created before TensorFlow initializes in this process (before "
+          "any op runs or devices are listed): it makes this process a task of the "
+          "cluster, which TensorFlow allows only at start-up. Create the strategy first, "
+          f"at the top of the program. TensorFlow said: {e}") from e
+    peers = [t for t in self.tasks if t != self.local_task]
+    self.guard = _watchdog.StepGuard(peers, _probe_peer, None, name, role="Worker task",
+                                     advice=_ADVICE, restarted_advice=_ADVICE,
+                                     blame_silent_peers=True)
+    _tf_internal.install_error_translator(_watchdog.translate_error)
+
+  @property
+  def num_workers(self):
+    return len(self.tasks)
+
+  @property
+  def is_chief(self):
+    return self.index == 0
+
+  def local_devices(self):
+    """This task's GPUs, else its CPU devices (canonical names), in order."""
+    prefix = self.local_task + "/"
+    for kind in ("GPU", "CPU"):
+      names = [d.name for d in tf.config.list_logical_devices(kind)
+               if d.name.startswith(prefix)]
+      if names:
+        return _devices.canonicalize_all(names)
+    return (f"{self.local_task}/device:CPU:0",)
+
+  def devices_of_every_worker(self, local_devices):
+    """Every worker's devices, worker-major, assuming every worker has the same ones.
+
+    The same list in every process: each worker's are this worker's with its task.
+    """
+    suffixes = [d[len(self.local_task):] for d in local_devices]
+    return tuple(task + suffix for task in self.tasks for suffix in suffixes)
+
+
+def _probe_peer(task):
+  _tf_internal.check_peer_health(task, _PROBE_TIMEOUT)

@@ -1,0 +1,257 @@
+"""`CrossWorkerAllReduce`: reductions over the towers of every worker process.
+
+`MultiWorkerMirroredStrategy` runs the same program in several processes. Each process
+holds its own towers' values; a reduction must give every tower of every process the
+total. TensorFlow's collective ops do the communication, over its gRPC runtime.
+
+Two schemes:
+
+- **hierarchical** (the default): each worker first adds its towers' values on its first
+  device, then the workers all-reduce those partial sums with one collective member per
+  worker, then each worker copies the total to its towers. Across processes, each
+  worker sends one value per tensor, whatever its number of towers.
+- **flat**: one collective over every tower of every worker (group size: all towers).
+
+Values are placed on a worker's own devices only. Every worker must run the same
+reductions in the same order (the same program does): collective instances are matched
+across processes by the order in which they are built.
+"""
+
+from diststrat._tf import tf
+from diststrat import _arguments
+from diststrat.cross_tower_ops import _base
+from diststrat.cross_tower_ops import _collective
+from diststrat.cross_tower_ops import _packing
+from diststrat.values import _wrapped
+
+SCHEMES = ("hierarchical", "flat")
+DEFAULT_TIMEOUT = 60.0
+
+
+class CrossWorkerAllReduce(_base.CrossTowerOps):
+  """All-reduces across the towers of all worker processes of a cluster.
+
+  Made by `MultiWorkerMirroredStrategy` (its `cross_worker_ops` argument takes one, not
+  yet bound to a cluster); the strategy binds it to its cluster with `bind()`.
+
+  Args:
+    scheme: "hierarchical" (within each worker, then across workers) or "flat" (one
+      collective over all towers).
+    num_packs: 1 reduces tensor by tensor; more concatenates the tensors of one dtype
+      into `num_packs` chunks before the collective, as `AllReduceCrossTowerOps` does.
+    timeout: seconds a collective waits for the other workers before it fails
+      (`DeadlineExceededError`), instead of hanging.
+
+  Example:
+    >>> from diststrat.cross_tower_ops import CrossWorkerAllReduce
+    >>> CrossWorkerAllReduce("flat", num_packs=2)
+    CrossWorkerAllReduce(scheme='flat', num_packs=2)
+  """
+
+  _one_value_is_the_total = False  # Other workers hold values too.
+
+  def __init__(self, scheme="hierarchical", num_packs=1, timeout=DEFAULT_TIMEOUT):
+    super().__init__()
+    if scheme not in SCHEMES:
+      raise ValueError(f"scheme must be one of {', '.join(map(repr, SCHEMES))}. Received: "
+                       f"scheme={scheme!r}")
+    if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 1:
+      raise ValueError("num_packs must be an integer >= 1 (1: no packing). Received: "
+                       f"num_packs={num_packs!r}")
+    self._scheme = scheme
+    self._num_packs = num_packs
+    self._timeout = _arguments.seconds("timeout", timeout, allow_none=False)
+    self._cluster = None
+
+  @property
+  def scheme(self):
+    return self._scheme
+
+  @property
+  def timeout(self):
+    return self._timeout
+
+  def __repr__(self):
+    return f"CrossWorkerAllReduce(scheme={self._scheme!r}, num_packs={self._num_packs})"
+
+  def bind(self, local_devices, all_devices, worker_index, num_workers):
+    """Binds this to a cluster. Called by the strategy; every worker binds the same way.
+
+    Args:
+      local_devices: this worker's tower devices (canonical), in tower order.
+      all_devices: every tower device of every worker, worker-major (the same list in
+        every worker).
+      worker_index: this worker's index among the workers.
+      num_workers: the number of workers.
+
+    Raises:
+      ValueError: already bound to another cluster.
+    """
+    cluster = (tuple(local_devices), tuple(all_devices), worker_index, num_workers)
+    if self._cluster is not None and self._cluster != cluster:
+      raise ValueError(f"{self!r} is already bound to another cluster; make one per "
+                       "strategy.")
+    self._cluster = cluster
+    per_worker = len(all_devices) // num_workers
+    # One collective member per worker in the hierarchical scheme: its first device.
+    self._leaders = tuple(all_devices[j * per_worker] for j in range(num_workers))
+    return self
+
+  def _bound(self):
+    if self._cluster is None:
+      raise ValueError(f"{self!r} is not bound to a cluster: it reduces across the "
+                       "workers of a MultiWorkerMirroredStrategy, which binds it. Pass it "
+                       "as MultiWorkerMirroredStrategy(cross_worker_ops=...).")
+    return self._cluster
+
+  # --- reductions ---
+
+  def _reduce(self, aggregation, per_device_value, destinations):
+    return self._batch_reduce(aggregation, [(per_device_value, destinations)])[0]
+
+  def _batch_reduce(self, aggregation, value_destination_pairs):
+    local, all_devices, _, _ = self._bound()
+    mean = aggregation == tf.VariableAggregation.MEAN
+    flat = [i for i, (v, d) in enumerate(value_destination_pairs)
+            if self._scheme == "flat" and set(v.devices) == set(d) == set(local)]
+    results = [None] * len(value_destination_pairs)
+    if flat:
+      columns = [tuple(value_destination_pairs[i][0].get(d) for d in local) for i in flat]
+      for i, column in zip(flat, self._flat(local, all_devices, columns, mean)):
+        results[i] = _wrapped.Mirrored(dict(zip(local, column)))
+    rest = [i for i in range(len(results)) if results[i] is None]
+    if rest:
+      sums = [self._local_sum(value_destination_pairs[i][0]) for i in rest]
+      totals = self._across_workers(sums, mean)
+      for i, total in zip(rest, totals):
+        results[i] = _base.mirror(total, value_destination_pairs[i][1],
+                                  source_device=local[0])
+    return results
+
+  def _reduce_indexed_slices(self, aggregation, per_device_value, destinations):
+    local, all_devices, _, _ = self._bound()
+    mine = _base.concat_indexed_slices(tf.VariableAggregation.SUM, per_device_value,
+                                       local[0])
+    with tf.device(local[0]):
+      values = self._gather_rows(mine.values)
+      indices = self._gather_rows(mine.indices)
+      if aggregation == tf.VariableAggregation.MEAN:
+        values = _base.divide(values, len(all_devices))
+      gathered = tf.IndexedSlices(values, indices, mine.dense_shape)
+    return _base.mirror(gathered, destinations, source_device=local[0])
+
+  def _broadcast(self, tensor, destinations):
+    return _base.mirror(tensor, destinations)
+
+  # --- what the strategy calls besides reductions ---
+
+  def broadcast_from_chief(self, tensor):
+    """`tensor` as worker 0 has it, in every worker (on this worker's first device).
+
+    Built as a sum to which the other workers add zeros, so it needs no extra kind of
+    collective. Dtypes a sum cannot carry (bool, string) are returned unchanged.
+    """
+    local, _, worker_index, num_workers = self._bound()
+    if num_workers == 1 or not (tensor.dtype.is_floating or tensor.dtype.is_integer
+                                or tensor.dtype.is_complex):
+      return tensor
+
+    def build(tensor):
+      with tf.device(local[0]):
+        mine = tensor if worker_index == 0 else tf.zeros_like(tensor)
+        return self._across_workers([mine], mean=False)[0]
+
+    if tf.executing_eagerly():
+      return tf.function(build, autograph=False)(tensor)
+    return build(tensor)
+
+  def gather(self, per_device_value, axis):
+    """Every tower's value of every worker, concatenated along `axis` in tower order."""
+    local, _, _, _ = self._bound()
+
+    def build(*components):
+      with tf.device(local[0]):
+        mine = tf.concat(list(components), axis=axis)
+        moved = _move_axis(mine, axis, 0)
+        return _move_axis(self._gather_rows(moved), 0, axis)
+
+    components = [per_device_value.get(d) for d in local]
+    if tf.executing_eagerly():
+      return tf.function(build, autograph=False)(*components)
+    return build(*components)
+
+  # --- building blocks ---
+
+  def _local_sum(self, per_device_value):
+    local = self._bound()[0]
+    with tf.device(local[0]):
+      components = [per_device_value.get(d) for d in per_device_value.devices]
+      return tf.math.add_n(components) if len(components) > 1 else tf.identity(components[0])
+
+  def _across_workers(self, tensors, mean):
+    """All-reduces one tensor per entry across the workers' leaders; packs if asked."""
+    local, all_devices, _, num_workers = self._bound()
+    if num_workers == 1:
+      totals = list(tensors)
+    elif self._num_packs > 1 and _packing.fully_defined(tensors) and len(
+        {t.dtype for t in tensors}) == 1:
+      with tf.device(local[0]):
+        packing = _packing.Packing([t.shape for t in tensors], self._num_packs)
+        chunks = packing.pack(tensors)
+        reduced = [self._leaders_sum(c) for c in chunks]
+        totals = packing.unpack(_collective.run_together([tuple(reduced)], local[:1])[0])
+    else:
+      summed = [self._leaders_sum(t) for t in tensors]
+      totals = list(_collective.run_together([tuple(summed)], local[:1])[0])
+    if not mean:
+      return totals
+    with tf.device(local[0]):
+      return [_base.divide(t, len(all_devices)) for t in totals]
+
+  def _leaders_sum(self, tensor):
+    if tensor.shape.num_elements() == 0:
+      return tensor
+    local = self._bound()[0]
+    return _collective.all_reduce([tensor], local[:1], mean=False, timeout=self._timeout,
+                                  group=self._leaders)[0]
+
+  def _flat(self, local, all_devices, columns, mean):
+    reduced = []
+    for column in columns:
+      if column[0].shape.num_elements() == 0:
+        reduced.append(column)
+        continue
+      float_mean = mean and not column[0].dtype.is_integer
+      reduced.append(tuple(_collective.all_reduce(
+          list(column), local, float_mean, self._timeout, group=all_devices)))
+    reduced = _collective.run_together(reduced, local)
+    if mean:
+      reduced = [tuple(r if not r.dtype.is_integer else _base.divide(r, len(all_devices))
+                       for r in column) for column in reduced]
+    return reduced
+
+  def _gather_rows(self, tensor):
+    """Every worker's `tensor` stacked along axis 0 in worker order; lengths may differ."""
+    _, _, worker_index, num_workers = self._bound()
+    if num_workers == 1:
+      return tensor
+    del worker_index
+    device = self._bound()[0][0]
+    rows = tf.shape(tensor, out_type=tf.int64)[0]
+    longest = _collective.all_reduce_max(rows, device, self._leaders, self._timeout)
+    padding = [[0, longest - rows]] + [[0, 0]] * (tensor.shape.rank - 1)
+    padded = tf.pad(tensor, padding)
+    gathered = _collective.all_gather(padded, device, self._leaders, self._timeout)
+    lengths = _collective.all_gather(tf.reshape(rows, [1]), device, self._leaders,
+                                     self._timeout)
+    keep = tf.sequence_mask(lengths, longest)  # [workers, longest]
+    return tf.boolean_mask(gathered, tf.reshape(keep, [-1]))
+
+
+def _move_axis(tensor, source, destination):
+  if source == destination:
+    return tensor
+  rank = tensor.shape.rank
+  order = [i for i in range(rank) if i != source]
+  order.insert(destination, source)
+  return tf.transpose(tensor, order)

@@ -1,0 +1,191 @@
+"""`MultiWorkerMirroredStrategy`: synchronous data parallelism across worker processes."""
+
+import json
+import os
+
+from diststrat._tf import tf
+from diststrat import _arguments
+from diststrat import _devices
+from diststrat import _input
+from diststrat.cluster import _connection
+from diststrat.cluster import _worker_group
+from diststrat.cross_tower_ops import _cross_worker
+from diststrat.strategies import _mirrored
+from diststrat.strategies import _tower_threads
+from diststrat.values import _variables
+from diststrat.values import _wrapped
+
+DEFAULT_COLLECTIVE_TIMEOUT = 60.0
+"""Seconds a collective across workers waits for the other workers before it fails."""
+
+
+class MultiWorkerMirroredStrategy(_mirrored.MirroredStrategy):
+  """Synchronous training across worker processes, variables mirrored on every tower.
+
+  The same program runs in every worker process. Each process runs towers on its own
+  devices (threads, as in `MirroredStrategy`); tower ids count every tower of every
+  worker, worker-major. Variables are mirrored on every tower of every worker, and start
+  from worker 0's initial value (broadcast), so random initializers agree. Reductions
+  all-reduce over all towers of all workers with TensorFlow's collective ops over its
+  gRPC runtime (`diststrat.cross_tower_ops.CrossWorkerAllReduce`). `distribute_dataset`
+  gives each worker its share of every global batch.
+
+  A worker that dies, freezes or stops calling the collectives makes every other
+  worker's step raise `diststrat.errors.ClusterError` naming it within
+  `collective_timeout`; the worker processes must then be restarted (TensorFlow aborts
+  every later collective of a process once one failed), and training resumes from the
+  last checkpoint. See docs/multi_worker.md.
+
+  Create the strategy at the start of the program, before TensorFlow runs any op: it
+  makes this process a task of the cluster, which TensorFlow allows only at start-up.
+
+  Args:
+    cluster_spec: {"worker": ["host:port", ...]} (a "chief" job, if present, counts as
+      the first worker), or a `tf.train.ClusterSpec`. None: the `cluster` of the
+      `TF_CONFIG` environment variable if set, else this process alone.
+    task_type, task_id: this process's task (from `TF_CONFIG` when it is used).
+    devices: this process's tower devices. Default: its GPUs, else its CPU devices.
+      Every worker must have the same number.
+    cross_worker_ops: a `diststrat.cross_tower_ops.CrossWorkerAllReduce` (scheme,
+      packing, timeout). Default: `CrossWorkerAllReduce("hierarchical",
+      timeout=collective_timeout)`.
+    collective_timeout: seconds a collective waits for the other workers.
+    tower_timeout: as for `MirroredStrategy`.
+
+  Example (in each worker process, e.g. run by `LocalCluster.run_on_workers`)::
+
+      strategy = diststrat.MultiWorkerMirroredStrategy(
+          cluster_spec={"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]},
+          task_type="worker", task_id=int(sys.argv[1]))
+      with strategy.scope():
+        model = ...
+  """
+
+  def __init__(self, cluster_spec=None, task_type="worker", task_id=0, devices=None,
+               cross_worker_ops=None, collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
+               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT):
+    collective_timeout = _arguments.seconds("collective_timeout", collective_timeout,
+                                            allow_none=False)
+    if cluster_spec is None and os.environ.get("TF_CONFIG"):
+      cluster_spec, task_type, task_id = _from_tf_config(os.environ["TF_CONFIG"])
+    if cross_worker_ops is None:
+      cross_worker_ops = _cross_worker.CrossWorkerAllReduce(timeout=collective_timeout)
+    elif not isinstance(cross_worker_ops, _cross_worker.CrossWorkerAllReduce):
+      raise ValueError("cross_worker_ops must be a diststrat.cross_tower_ops."
+                       f"CrossWorkerAllReduce. Received: {cross_worker_ops!r}")
+    self._task_type, self._task_id = task_type, task_id
+    if cluster_spec is None:
+      self._cluster_spec = None
+      self._group = None
+      local = _devices.canonicalize_all(devices) if devices else _devices.local_devices()
+      every = local
+      index, num_workers = 0, 1
+    else:
+      spec = _connection.normalize_cluster_spec(cluster_spec, task_type, task_id,
+                                                with_ps=False)
+      self._cluster_spec = spec
+      name = f"MultiWorkerMirroredStrategy of /job:{task_type}/replica:0/task:{task_id}"
+      self._group = _worker_group.WorkerGroup(spec, task_type, task_id, name)
+      local = (_devices.canonicalize_all(devices, default=self._group.local_task)
+               if devices else self._group.local_devices())
+      every = self._group.devices_of_every_worker(local)
+      index, num_workers = self._group.index, self._group.num_workers
+    self._worker_index, self._num_workers = index, num_workers
+    self._all_devices = every
+    cross_worker_ops.bind(local, every, index, num_workers)
+    super().__init__(devices=local, cross_tower_ops=cross_worker_ops,
+                     tower_timeout=tower_timeout)
+
+  def __repr__(self):
+    if self._group is None:
+      return f"MultiWorkerMirroredStrategy(devices={list(self._devices)})"
+    return (f"MultiWorkerMirroredStrategy(task={self._group.local_task!r}, "
+            f"workers={self._num_workers}, towers={len(self._all_devices)})")
+
+  # --- the cluster ---
+
+  @property
+  def cluster_spec(self):
+    """The cluster spec as {job: [address, ...]}, or None for one process."""
+    if self._cluster_spec is None:
+      return None
+    return {job: list(addresses) for job, addresses in self._cluster_spec.items()}
+
+  @property
+  def task_type(self):
+    return self._task_type
+
+  @property
+  def task_id(self):
+    return self._task_id
+
+  @property
+  def is_chief(self):
+    """True in worker 0: the process that should write checkpoints and summaries."""
+    return self._worker_index == 0
+
+  @property
+  def num_workers(self):
+    return self._num_workers
+
+  # --- variables: mirrored on this worker's towers, initial values from the chief ---
+
+  def _create_distributed_variable(self, next_creator, kwargs, colocate_with):
+    kwargs = dict(kwargs)
+    with tf.init_scope():  # A collective: made once, eagerly, even inside a tf.function.
+      if tf.is_symbolic_tensor(kwargs.get("initial_value")):
+        raise ValueError(
+            f"Variable {kwargs.get('name')!r} is created inside a tf.function from a value "
+            "computed in it. Under MultiWorkerMirroredStrategy, create variables outside "
+            "tf.function, or pass initial_value as a callable or a constant.")
+      with tf.device(self._devices[0]):
+        value = _arguments.initial_value_tensor(kwargs)
+      kwargs["initial_value"] = self._cross_tower_ops.broadcast_from_chief(value)
+      kwargs.pop("dtype", None)
+      return super()._create_distributed_variable(next_creator, kwargs, colocate_with)
+
+  # --- towers: numbered across all workers ---
+
+  def _call_for_each_tower(self, fn, args, kwargs):
+    runner = _tower_threads.TowerRunner(
+        self, self._devices, self._tower_timeout,
+        first_tower_id=self._worker_index * len(self._devices),
+        num_towers=len(self._all_devices))
+    return _wrapped.regroup(runner.run(fn, args, kwargs), self._devices)
+
+  def _num_towers(self):
+    return len(self._all_devices)
+
+  def _worker_device_index(self):
+    return _wrapped.PerDevice({d: i for i, d in enumerate(self._devices)})
+
+  # --- input, gathering, reads across workers ---
+
+  def _distribute_dataset(self, dataset_fn):
+    return _input.PerDeviceDataset(
+        dataset_fn(), self._devices, first_tower=self._worker_index * len(self._devices),
+        num_towers=len(self._all_devices))
+
+  def _gather(self, value, axis, destinations):
+    gathered = self._cross_tower_ops.gather(_wrapped.PerDevice(
+        dict(zip(self._devices, self._unwrap(value)))), axis)
+    if destinations is None:
+      return gathered
+    return self._broadcast(gathered, destinations)
+
+  def _read_var(self, v):
+    if isinstance(v, _variables.TowerLocalVariable):
+      copies = _wrapped.PerDevice({d: v.get(d).read_value() for d in v.devices})
+      return self._cross_tower_ops.reduce(v.aggregation, copies, self._devices[:1]).primary
+    return super()._read_var(v)
+
+
+def _from_tf_config(text):
+  """(cluster_spec, task_type, task_id) from a TF_CONFIG JSON string."""
+  try:
+    config = json.loads(text)
+    return config["cluster"], config["task"]["type"], int(config["task"]["index"])
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError("TF_CONFIG must be JSON such as {\"cluster\": {\"worker\": "
+                     "[\"host:port\", ...]}, \"task\": {\"type\": \"worker\", \"index\": 0}}. "
+                     f"Received: TF_CONFIG={text!r}") from e
