@@ -273,20 +273,22 @@ class StepGuard:
     if not isinstance(error, tf.errors.OpError) or not is_cluster_fault(error):
       return error
     task, status = self._blame(error)
-    if task is None and require_task:
-      return error
-    if record and self._failure is None:
-      self._failure = error
     summary = _tf_internal.error_summary(error)
     if task is None and status is None and self._blame_silent_peers and isinstance(
         error, tf.errors.DeadlineExceededError):
       # Every peer answers, yet the collective timed out: they did not join it.
+      if record and self._failure is None:
+        self._failure = error
       task = self.tasks[0] if len(self.tasks) == 1 else None
       message = (f"{self._role}{'s' if len(self.tasks) > 1 else ''} "
                  f"{', '.join(self.tasks)} answer{'' if len(self.tasks) > 1 else 's'} but "
                  f"did not join the collective within its timeout: stopped calling it, or "
                  f"slower than the timeout ({what} failed: {summary}). {self._advice}")
       return errors.ClusterError(message, task=task)
+    if task is None and require_task:
+      return error
+    if record and self._failure is None:
+      self._failure = error
     who = f"{self._role} {task}" if task else f"A {self._role.lower()}"
     if status == "restarted" or (status is None and
                                  _tf_internal.error_means_task_restarted(error)):

@@ -198,11 +198,11 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
       with tf.device(local[0]):
         packing = _packing.Packing([t.shape for t in tensors], self._num_packs)
         chunks = packing.pack(tensors)
-        reduced = [self._leaders_sum(c) for c in chunks]
-        totals = packing.unpack(_collective.run_together([tuple(reduced)], local[:1])[0])
+        reduced = [(self._leaders_sum(c),) for c in chunks]
+        totals = packing.unpack([r for (r,) in _collective.run_together(reduced, local[:1])])
     else:
-      summed = [self._leaders_sum(t) for t in tensors]
-      totals = list(_collective.run_together([tuple(summed)], local[:1])[0])
+      summed = [(self._leaders_sum(t),) for t in tensors]
+      totals = [t for (t,) in _collective.run_together(summed, local[:1])]
     if not mean:
       return totals
     with tf.device(local[0]):

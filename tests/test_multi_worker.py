@@ -1,0 +1,348 @@
+"""MultiWorkerMirroredStrategy on real processes (SPEC section 12).
+
+Worker functions run in LocalCluster worker processes (module-level: they are pickled);
+the reference computations run in this process on one device, with no strategy. This
+module does not import conftest's helpers: a worker process unpickling these functions
+imports this module, and must keep its own device set-up (LocalCluster's
+cpus_per_worker).
+"""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from diststrat.cluster import LocalCluster
+from diststrat.errors import ClusterError
+
+TIMEOUT = 150
+STEPS = 4
+GLOBAL_BATCH = 8
+VOCAB, DIM = 12, 3
+
+
+def _data(steps=STEPS, batch=GLOBAL_BATCH, seed=0):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, VOCAB, size=(steps, batch)).astype(np.int32)
+  ys = rng.normal(size=(steps, batch, 1)).astype(np.float32)
+  emb0 = rng.normal(size=(VOCAB, DIM)).astype(np.float32)
+  w0 = (rng.normal(size=(DIM, 1)) * 0.5).astype(np.float32)
+  return ids, ys, emb0, w0
+
+
+OPTIMIZERS = {
+    "sgd": lambda: ds.optimizers.GradientDescent(0.1),
+    "momentum": lambda: ds.optimizers.Momentum(0.05, 0.9),
+    "adam": lambda: ds.optimizers.Adam(0.02),
+}
+
+
+def _loss(emb, w, ids, y, sparse):
+  h = tf.gather(emb, ids) if sparse else tf.one_hot(ids, VOCAB) @ emb
+  return tf.reduce_mean(tf.square(h @ w - y))
+
+
+def _train(strategy, name, sparse, mode, steps=STEPS):
+  """Trains (emb, w) on the global batches; returns the final values."""
+  ids, ys, emb0, w0 = _data(steps)
+  with strategy.scope(), tf.name_scope(f"{name}_{sparse}_{mode}"):
+    emb, w, opt = tf.Variable(emb0, name="emb"), tf.Variable(w0, name="w"), OPTIMIZERS[name]()
+    data = iter(strategy.distribute_dataset(
+        lambda: tf.data.Dataset.from_tensor_slices((ids, ys))))
+
+  def step(batch_ids, batch_y):
+    def tower(i, y):
+      opt.minimize(lambda: _loss(emb, w, i, y, sparse), var_list=[emb, w])
+    strategy.call_for_each_tower(tower, batch_ids, batch_y)
+
+  if mode == "function":
+    step = tf.function(step)
+  for _ in range(steps):
+    step(*next(data))
+  return emb.numpy(), w.numpy()
+
+
+def _reference(name, sparse, steps=STEPS):
+  ids, ys, emb0, w0 = _data(steps)
+  emb, w, opt = tf.Variable(emb0), tf.Variable(w0), OPTIMIZERS[name]()
+  for i in range(steps):
+    opt.minimize(lambda: _loss(emb, w, ids[i], ys[i], sparse), var_list=[emb, w])
+  return emb.numpy(), w.numpy()
+
+
+# --- worker functions ----------------------------------------------------------------
+
+
+def _equivalence_fn(strategy):
+  results = {"towers": strategy.num_towers, "task": (strategy.task_type, strategy.task_id),
+             "is_chief": strategy.is_chief, "devices": list(strategy.worker_devices)}
+  with strategy.scope():
+    random = tf.Variable(tf.random.normal([4, 3]))  # Unseeded: differs per process alone.
+  results["random"] = random.numpy().tolist()
+  results["ids"] = [int(t) for t in strategy.unwrap(strategy.call_for_each_tower(
+      lambda: ds.get_tower_context().tower_id))]
+  for name in OPTIMIZERS:
+    for sparse in (False, True):
+      for mode in ("eager", "function"):
+        emb, w = _train(strategy, name, sparse, mode)
+        results[f"{name}_{sparse}_{mode}"] = (emb.tolist(), w.tolist())
+  return results
+
+
+def _ragged_fn(strategy):
+  """10 examples over 3 towers (4, 3, 3): towers' summed losses over the global batch."""
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(2, 10, 4)).astype(np.float32)
+  y = rng.normal(size=(2, 10, 1)).astype(np.float32)
+  with strategy.scope():
+    w = tf.Variable(np.ones([4, 1], np.float32), name="w")
+    opt = ds.optimizers.GradientDescent(0.1, loss_reduction="sum")
+    data = iter(strategy.distribute_dataset(lambda: tf.data.Dataset.from_tensor_slices((x, y))))
+  sizes = []
+
+  @tf.function
+  def step(bx, by):
+    def tower(xi, yi):
+      opt.minimize(lambda: tf.reduce_sum(tf.square(xi @ w - yi)) / 10.0, var_list=[w])
+      return tf.shape(xi)[0]
+    return strategy.call_for_each_tower(tower, bx, by)
+
+  for _ in range(2):
+    sizes.append([int(s) for s in strategy.unwrap(step(*next(data)))])
+  return {"w": w.numpy().tolist(), "sizes": sizes}
+
+
+def _checkpoint_fn(strategy, checkpoint_dir):
+  """Trains, saves on the chief (others to scratch); returns the values saved."""
+  emb, w = None, None
+  ids, ys, emb0, w0 = _data()
+  with strategy.scope():
+    emb, w = tf.Variable(emb0, name="emb"), tf.Variable(w0, name="w")
+    opt = ds.optimizers.Adam(0.02)
+  for i in range(STEPS):
+    local = strategy.distribute_dataset(
+        lambda i=i: tf.data.Dataset.from_tensors((ids[i], ys[i])))
+    batch_ids, batch_y = next(iter(local))
+    strategy.call_for_each_tower(
+        lambda a, b: opt.minimize(lambda: _loss(emb, w, a, b, True), var_list=[emb, w]),
+        batch_ids, batch_y)
+  checkpoint = tf.train.Checkpoint(emb=emb, w=w, opt=opt)
+  directory = checkpoint_dir if strategy.is_chief else os.path.join(
+      checkpoint_dir, f"scratch_{strategy.task_id}")
+  path = checkpoint.write(os.path.join(directory, "ckpt"))
+  return {"path": path, "emb": emb.numpy().tolist(), "w": w.numpy().tolist(),
+          "m": opt.get_slot(w, "m").numpy().tolist()}
+
+
+def _restore_fn(strategy, path):
+  """Restores a checkpoint written by another number of workers."""
+  ids, ys, emb0, w0 = _data()
+  with strategy.scope():
+    emb, w = tf.Variable(tf.zeros_like(emb0), name="emb"), tf.Variable(tf.zeros_like(w0))
+    opt = ds.optimizers.Adam(0.02)
+    opt.build([emb, w])
+  tf.train.Checkpoint(emb=emb, w=w, opt=opt).read(path).assert_consumed()
+  return {"emb": emb.numpy().tolist(), "w": w.numpy().tolist(),
+          "m": opt.get_slot(w, "m").numpy().tolist()}
+
+
+def _fault_fn(strategy, sync_dir, fault, checkpoint_dir):
+  """Trains until the parent injects `fault` into worker 1; reports what the others saw."""
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(64, 4)).astype(np.float32)
+  y = x @ rng.normal(size=(4, 1)).astype(np.float32)
+  with strategy.scope():
+    w = tf.Variable(np.zeros([4, 1], np.float32), name="w")
+    step_var = tf.Variable(0, dtype=tf.int64, name="global_step")
+    opt = ds.optimizers.GradientDescent(0.05)
+  checkpoint = tf.train.Checkpoint(w=w, global_step=step_var)
+  latest = tf.train.latest_checkpoint(checkpoint_dir)
+  if latest:
+    checkpoint.restore(latest).assert_consumed()
+  first_loss = float(tf.reduce_mean(tf.square(x @ w - y)))
+
+  @tf.function
+  def step():
+    strategy.call_for_each_tower(lambda: opt.minimize(
+        lambda: tf.reduce_mean(tf.square(x @ w - y)), var_list=[w], global_step=step_var))
+
+  task = strategy.task_id
+  report = os.path.join(sync_dir, f"report_{task}.json")
+  start, error = None, None
+  for i in range(400 if fault else 30):
+    if fault == "stop_calling" and task == 1 and i == 10:
+      _touch(os.path.join(sync_dir, "fault"))
+      time.sleep(12)  # Alive, but calls the next collective after the others gave up.
+    if i == 10 and task == 0 and fault:
+      _touch(os.path.join(sync_dir, "ready"))
+    try:
+      start = time.time()
+      step()
+    except ClusterError as e:
+      error = (str(e), e.task, time.time() - start)
+      break
+    if i % 10 == 9 and strategy.is_chief and not fault:
+      checkpoint.save(os.path.join(checkpoint_dir, "ckpt"))  # Only the chief writes.
+    time.sleep(0.05 if fault else 0)
+  result = {"error": error, "first_loss": first_loss,
+            "last_loss": float(tf.reduce_mean(tf.square(x @ w - y))),
+            "global_step": int(step_var.numpy())}
+  with open(report + ".tmp", "w") as f:
+    json.dump(result, f)
+  os.replace(report + ".tmp", report)
+  return result
+
+
+def _touch(path):
+  with open(path, "w"):
+    pass
+
+
+# --- tests -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_two_workers_of_two_towers_train_like_one_device():
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, result_timeout=TIMEOUT) as c:
+    first, second = c.run_on_workers(_equivalence_fn)
+  assert (first["towers"], first["task"], first["is_chief"]) == (4, ("worker", 0), True)
+  assert (second["task"], second["is_chief"]) == (("worker", 1), False)
+  assert first["devices"] == [f"/job:worker/replica:0/task:0/device:CPU:{i}" for i in (0, 1)]
+  assert first["ids"] == [0, 1] and second["ids"] == [2, 3]
+  assert first["random"] == second["random"]  # Broadcast from the chief.
+  for name in OPTIMIZERS:
+    for sparse in (False, True):
+      ref_emb, ref_w = _reference(name, sparse)
+      for mode in ("eager", "function"):
+        key = f"{name}_{sparse}_{mode}"
+        for worker in (first, second):
+          emb, w = worker[key]
+          np.testing.assert_allclose(emb, ref_emb, rtol=1e-5, atol=1e-6, err_msg=key)
+          np.testing.assert_allclose(w, ref_w, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_checkpoints_move_between_worker_counts_mirrored_and_no_strategy(tmp_path):
+  with LocalCluster(num_ps=0, num_workers=2, result_timeout=TIMEOUT) as c:
+    saved, _ = c.run_on_workers(_checkpoint_fn, checkpoint_dir=str(tmp_path))
+  assert saved["path"].startswith(str(tmp_path))
+  with LocalCluster(num_ps=0, num_workers=3, result_timeout=TIMEOUT) as c:
+    restored = c.run_on_workers(_restore_fn, path=saved["path"])
+    ragged = c.run_on_workers(_ragged_fn)
+  for r in restored:
+    assert r == {k: saved[k] for k in ("emb", "w", "m")}
+  # Into a 4-tower MirroredStrategy and into no strategy, in this process.
+  strategy = ds.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")][:4])
+  for scope in (strategy.scope(), ds.DefaultStrategy().scope()):
+    with scope:
+      emb, w = tf.Variable(tf.zeros([VOCAB, DIM])), tf.Variable(tf.zeros([DIM, 1]))
+    tf.train.Checkpoint(emb=emb, w=w).read(saved["path"]).expect_partial()
+    np.testing.assert_array_equal(emb.numpy(), saved["emb"])
+    np.testing.assert_array_equal(w.numpy(), saved["w"])
+  # Ragged: 10 examples over 3 towers, each worker its share; equal to one device.
+  assert [r["sizes"] for r in ragged] == [[[4]] * 2, [[3]] * 2, [[3]] * 2]
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(2, 10, 4)).astype(np.float32)
+  y = rng.normal(size=(2, 10, 1)).astype(np.float32)
+  w = np.ones([4, 1], np.float32)
+  for i in range(2):
+    w = w - 0.1 * (2 * x[i].T @ (x[i] @ w - y[i]) / 10.0)
+  for r in ragged:
+    np.testing.assert_allclose(r["w"], w, rtol=1e-5)
+
+
+def _inject(cluster, sync_dir, fault):
+  def run():
+    deadline = time.monotonic() + 90
+    while not os.path.exists(os.path.join(sync_dir, "ready")):
+      if time.monotonic() > deadline:
+        return
+      time.sleep(0.05)
+    if fault == "kill":
+      cluster.kill("worker", 1)
+    elif fault == "freeze":
+      cluster.kill("worker", 1, signal.SIGSTOP)
+    _touch(os.path.join(sync_dir, "fault"))
+    if fault == "freeze":  # Once the others reported it, end the frozen process.
+      while not all(os.path.exists(os.path.join(sync_dir, f"report_{t}.json"))
+                    for t in (0, 2)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+      cluster.kill("worker", 1)
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  return thread
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+@pytest.mark.parametrize("fault", ["kill", "freeze", "stop_calling"])
+def test_a_failed_worker_is_named_in_every_other_worker(tmp_path, fault):
+  sync_dir, checkpoint_dir = tmp_path / "sync", tmp_path / "ckpt"
+  sync_dir.mkdir()
+  checkpoint_dir.mkdir()
+  workers = 3 if fault != "stop_calling" else 2
+  with LocalCluster(num_ps=0, num_workers=workers, result_timeout=TIMEOUT,
+                    strategy_kwargs={"collective_timeout": 5.0}) as cluster:
+    if fault == "stop_calling":  # No warm-up: worker 1 stops by itself.
+      _touch(os.path.join(sync_dir, "ready"))
+    thread = _inject(cluster, str(sync_dir), fault)
+    try:
+      cluster.run_on_workers(_fault_fn, sync_dir=str(sync_dir), fault=fault,
+                             checkpoint_dir=str(checkpoint_dir))
+      raised = None
+    except Exception as e:  # pylint: disable=broad-except
+      raised = e  # A killed or frozen worker's own failure.
+    thread.join(10)
+  survivors = [t for t in range(workers) if t != 1]
+  for task in survivors:
+    with open(sync_dir / f"report_{task}.json") as f:
+      report = json.load(f)
+    message, blamed, elapsed = report["error"]
+    assert blamed == "/job:worker/replica:0/task:1", (fault, message)
+    assert "restart every worker process" in message, message
+    assert elapsed < 5.0 + 4.0, (fault, elapsed)
+  if fault == "kill":
+    assert isinstance(raised, ClusterError) and "was killed by SIGKILL" in str(raised)
+  if fault == "freeze":
+    assert isinstance(raised, ClusterError) and "was killed by SIGKILL" in str(raised)
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_restart_and_restore_resume_training(tmp_path):
+  sync_dir, checkpoint_dir = tmp_path / "sync", tmp_path / "ckpt"
+  sync_dir.mkdir()
+  checkpoint_dir.mkdir()
+  with LocalCluster(num_ps=0, num_workers=2, result_timeout=TIMEOUT) as cluster:
+    first = cluster.run_on_workers(_fault_fn, sync_dir=str(sync_dir), fault=None,
+                                   checkpoint_dir=str(checkpoint_dir))
+    # A fresh set of worker processes (as after a failure) resumes from the checkpoint.
+    second = cluster.run_on_workers(_fault_fn, sync_dir=str(sync_dir), fault=None,
+                                    checkpoint_dir=str(checkpoint_dir))
+  assert first[0]["global_step"] == 30
+  assert second[0]["global_step"] == 60  # Restored at 30, then 30 more steps.
+  assert second[0]["first_loss"] == pytest.approx(first[0]["last_loss"], rel=1e-5)
+  assert second[0]["last_loss"] < second[0]["first_loss"] < first[0]["first_loss"]
+  assert first[0]["last_loss"] == pytest.approx(first[1]["last_loss"], rel=1e-6)
+
+
+def test_multi_worker_argument_errors():
+  with pytest.raises(ValueError, match="MultiWorkerMirroredStrategy runs on worker tasks "
+                                       "only, but cluster_spec has a 'ps' job"):
+    ds.MultiWorkerMirroredStrategy(cluster_spec={"ps": ["127.0.0.1:1"],
+                                                 "worker": ["127.0.0.1:2"]})
+  with pytest.raises(ValueError, match=r"collective_timeout must be a positive number of "
+                                       r"seconds. Received: collective_timeout=0"):
+    ds.MultiWorkerMirroredStrategy(collective_timeout=0)
+  with pytest.raises(ValueError, match="cross_worker_ops must be a diststrat.cross_tower_ops."
+                                       "CrossWorkerAllReduce"):
+    ds.MultiWorkerMirroredStrategy(cross_worker_ops=ds.cross_tower_ops.ReductionToOneDevice())
+  with pytest.raises(ValueError, match="scheme must be one of 'hierarchical', 'flat'"):
+    ds.cross_tower_ops.CrossWorkerAllReduce("ring")
+  with pytest.raises(ValueError, match="strategy must be 'parameter_server' .* or "
+                                       "'multi_worker'"):
+    LocalCluster(num_ps=0).run_on_workers(_ragged_fn, strategy="parameter_server")
