@@ -6,6 +6,7 @@ repository so that the doctests of the package get them too.
 
 import os
 import threading
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -31,3 +32,34 @@ def no_thread_leak():
     t.join(timeout=5)
   leaked = [t for t in leaked if t.is_alive()]
   assert not leaked, f"threads left behind: {leaked}"
+
+
+def _children(pid):
+  """Process ids whose parent is `pid` (from /proc; zombies count)."""
+  result = []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        stat = f.read()
+    except OSError:
+      continue
+    fields = stat[stat.rfind(")") + 2:].split()
+    if int(fields[1]) == pid:
+      result.append(int(entry))
+  return result
+
+
+@pytest.fixture
+def no_child_left():
+  """Fails the test if it leaves a child process behind (15 s to exit)."""
+  before = set(_children(os.getpid()))
+  yield
+  deadline = time.monotonic() + 15
+  while True:
+    left = set(_children(os.getpid())) - before
+    if not left or time.monotonic() > deadline:
+      break
+    time.sleep(0.1)
+  assert not left, f"child processes left behind: {sorted(left)}"

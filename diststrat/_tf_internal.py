@@ -24,6 +24,9 @@ Reaches, by what needs them:
   existing resource handle as a `tf.Variable` (`ResourceVariableFromHandle`,
   `RESOURCE_METHODS`, `wrap_resource_methods`), and no public op brings a remote
   resource handle to this process (`copy_to_device`).
+- Connecting to a cluster blocks, with no timeout, while a task is down or frozen
+  (TensorFlow's remote device discovery waits for the task): a task is asked first
+  whether it answers, with the same RPC and a deadline (`probe_tf_server`).
 - Cluster faults are told apart only by the text of TensorFlow's errors
   (`error_summary`, `tasks_named_in_error`, `error_means_task_restarted`,
   `error_means_connection_lost`), and reach the
@@ -56,6 +59,8 @@ defined where the objects are; their names are listed here and tested:
 import functools
 import inspect
 import re
+
+import grpc  # TensorFlow's own dependency: its gRPC runtime.
 
 from tensorflow.python.eager import context as _eager_context  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import core as _eager_core  # pylint: disable=g-direct-tensorflow-import
@@ -220,6 +225,49 @@ def check_peer_health(task, timeout):
 def abort_collectives(message):
   """Aborts every collective of this process; later ones fail at once (sticky)."""
   _eager_context.context().abort_collective_ops(14, message)  # 14: UNAVAILABLE.
+
+
+_GET_STATUS = "/tensorflow.WorkerService/GetStatus"
+
+
+def probe_tf_server(addresses, timeout):
+  """Asks each TensorFlow server at `addresses` for its devices, all at once.
+
+  The RPC TensorFlow's remote device discovery sends, with a deadline: a server that is
+  down refuses at once, a frozen one does not answer in time (its kernel still accepts
+  TCP connections, so only an RPC tells). Touches no TensorFlow state.
+
+  Args:
+    addresses: "host:port" strings.
+    timeout: seconds the servers have to answer.
+
+  Returns:
+    One entry per address: None if it answered, else a short description of the failure
+    ("cannot be reached (UNAVAILABLE: ...)" or "did not answer within N s").
+  """
+  channels, calls = [], []
+  try:
+    for address in addresses:
+      channel = grpc.insecure_channel(address)
+      channels.append(channel)
+      stub = channel.unary_unary(_GET_STATUS, request_serializer=lambda _: b"",
+                                 response_deserializer=lambda raw: raw)
+      calls.append(stub.future(None, timeout=timeout))
+    outcomes = []
+    for call in calls:
+      try:
+        call.result()
+        outcomes.append(None)
+      except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+          outcomes.append(f"did not answer within {timeout:g} s (frozen, overloaded or cut "
+                          "off)")
+        else:
+          outcomes.append(f"cannot be reached ({e.code().name}: {e.details()})")
+    return outcomes
+  finally:
+    for channel in channels:
+      channel.close()
 
 
 _FAST_CALL_PARAMETERS = ["self", "tensor_inputs", "captured_inputs"]

@@ -16,10 +16,12 @@ from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
 from diststrat import _tf_internal
+from diststrat import errors
 from diststrat.cluster import _shared_variables
 from diststrat.cluster import _watchdog
 
 PS_JOB = "ps"
+_CONNECT_PROBE_TIMEOUT = 60.0  # Seconds a PS task has to answer when step_timeout is None.
 
 
 def _check_addresses(job, addresses):
@@ -119,15 +121,50 @@ class ClusterConnection:
     self.connect()
 
   def connect(self):
-    """Connects (again) to every PS task; bounded by the step timeout."""
+    """Connects (again) to every PS task, within the step timeout, or raises.
+
+    Every PS task is asked first whether it answers (an RPC with a deadline): TensorFlow's
+    own connection waits for a task that is down or frozen with no limit, and while it
+    waits no TensorFlow call of this process can run. Then the connection, and the
+    context initialization that makes it, run bounded by the step timeout.
+
+    Raises:
+      ClusterError: a PS task cannot be reached or does not answer, naming it and its
+        address.
+    """
     self.guard.clear_failure()
+    timeout = self.guard.timeout or _CONNECT_PROBE_TIMEOUT
+    self._check_ps_tasks_answer(timeout)
     view = tf.train.ClusterSpec({
         PS_JOB: self.spec[PS_JOB],
         self.task_type: {self.task_id: self.spec[self.task_type][self.task_id]},
     })
-    self.guard.run(lambda: tf.config.experimental_connect_to_cluster(
-        view, job_name=self.task_type, task_index=self.task_id, protocol="grpc"),
-                   f"connecting {self.local_task} to the cluster")
+
+    def connect():
+      with _watchdog.raw_errors():  # Asking the tasks would wait for this connection too.
+        tf.config.experimental_connect_to_cluster(
+            view, job_name=self.task_type, task_index=self.task_id, protocol="grpc")
+        tf.config.list_logical_devices()  # The real connection: remote device discovery.
+
+    try:
+      self.guard.run(connect, f"connecting {self.local_task} to the cluster", probe=False)
+    except errors.ClusterError as e:
+      self._check_ps_tasks_answer(timeout)  # Names a task that died or froze meanwhile.
+      raise errors.ClusterError(
+          f"{e} This process's TensorFlow stays blocked until the connection completes "
+          "or fails; if it does not, restart the process.", task=e.task) from e
+
+  def _check_ps_tasks_answer(self, timeout):
+    addresses = self.spec[PS_JOB]
+    outcomes = _tf_internal.probe_tf_server(addresses, timeout)
+    failed = [(task, address, why) for task, address, why
+              in zip(self.ps_tasks, addresses, outcomes) if why]
+    if failed:
+      text = "; ".join(f"parameter server task {t} at {a} {w}" for t, a, w in failed)
+      raise errors.ClusterError(
+          f"Cannot connect {self.local_task} to the cluster: {text}. Start the task(s) "
+          "(or fix cluster_spec), then create the strategy (or call reconnect()) again.",
+          task=failed[0][0])
 
   def local_devices(self):
     """This task's GPUs, else its first CPU (canonical names)."""

@@ -73,9 +73,10 @@ def _describe_exit(returncode):
     return "is still running"
   if returncode < 0:
     try:
-      return f"was killed by {signal.Signals(-returncode).name}"
+      return (f"was killed by signal {signal.Signals(-returncode).name} (exit status "
+              f"{returncode})")
     except ValueError:
-      return f"was killed by signal {-returncode}"
+      return f"was killed by signal {-returncode} (exit status {returncode})"
   return f"exited with code {returncode}"
 
 
@@ -304,10 +305,13 @@ class LocalCluster:
         raise errors.ClusterError(f"{self!r} was started already; a LocalCluster starts once.")
       self._state = "running"
       _running_clusters.add(self)
-      ports = free_ports(self.num_ps + self.num_workers, self._host)
+      # A PS warms itself up as a client of its own server, from one more port (_child).
+      ports = free_ports(self.num_ps + self.num_workers + self.num_ps, self._host)
+      self._warm_up_ports = ports[self.num_ps + self.num_workers:]
       self._spec = {
           "ps": [f"{self._host}:{p}" for p in ports[:self.num_ps]],
-          "worker": [f"{self._host}:{p}" for p in ports[self.num_ps:]],
+          "worker": [f"{self._host}:{p}"
+                     for p in ports[self.num_ps:self.num_ps + self.num_workers]],
       }
       if not self.num_ps:
         del self._spec["ps"]
@@ -443,11 +447,29 @@ class LocalCluster:
         raise
     try:
       return run.wait(self._result_timeout)
+    except BaseException as e:
+      self._note_dead_ps(e)
+      raise
     finally:
       with self._lock:
         if self._run is run:
           self._run = None
       run.stop()
+
+  def exit_status(self, task_type, task_id):
+    """A task's process exit status: None while it runs, negative for a signal (-11:
+    SIGSEGV). A worker's only while `run_on_workers` runs."""
+    return self._child(task_type, task_id).process.poll()
+
+  def _note_dead_ps(self, error):
+    """Adds to `error` how each PS task that died ended (its stderr is above)."""
+    with self._lock:
+      children = list(enumerate(self._ps))
+    for task_id, child in children:
+      if child is not None and child.exited():
+        errors.add_note(error, f"(parameter server task {task_name('ps', task_id)} "
+                        f"{_describe_exit(child.process.returncode)}; its error output, if "
+                        "any, is above)")
 
   # --- processes ---
 
@@ -494,7 +516,8 @@ class LocalCluster:
     return _Child(job, self._environment(job["kind"]), name)
 
   def _start_ps(self, task_id):
-    job = {"kind": "ps", "task_type": "ps", "task_id": task_id}
+    job = {"kind": "ps", "task_type": "ps", "task_id": task_id,
+           "warm_up_port": self._warm_up_ports[task_id]}
     return self._start_child(job, task_name("ps", task_id))
 
   def _wait_ready(self, child, task_id, deadline):

@@ -60,7 +60,7 @@ _thread_state = threading.local()  # .raw: leave errors alone; .what: the guarde
 
 
 @contextlib.contextmanager
-def _raw_errors():
+def raw_errors():
   """In this thread, errors are not translated (probes, and translating itself)."""
   saved = getattr(_thread_state, "raw", False)
   _thread_state.raw = True
@@ -84,7 +84,7 @@ def translate_error(error):
     return error
   named = [g for g in guards if _tf_internal.tasks_named_in_error(error, g.tasks)]
   guard = (named or guards)[-1]
-  with _raw_errors():
+  with raw_errors():
     return guard.translate(error, getattr(_thread_state, "what", None) or "an operation",
                            require_task=True)
 
@@ -187,7 +187,7 @@ class StepGuard:
     """Raises `ClusterError` if a task failed since the last `clear_failure()`."""
     failure = self._failure
     if failure is not None:
-      with _raw_errors():
+      with raw_errors():
         translated = self.translate(failure, what, record=False)
       raise translated
 
@@ -207,19 +207,21 @@ class StepGuard:
     """Whether the calling thread is running a guarded call."""
     return getattr(self._local, "inside", False)
 
-  def run(self, fn, what):
+  def run(self, fn, what, probe=True):
     """Returns `fn()`, run with the time limit; raises `ClusterError` on a cluster fault.
 
     Args:
       fn: a callable without arguments.
       what: a short description for messages, such as "step 12".
+      probe: ask the tasks which one is at fault (not while connecting: a probe would
+        wait for the same connection).
     """
     if self.inside() or not tf.executing_eagerly():
-      return self._call_translating(fn, what)
+      return self._call_translating(fn, what, probe)
     if self.timeout is None:
       self._local.inside = True
       try:
-        return self._call_translating(fn, what)
+        return self._call_translating(fn, what, probe)
       finally:
         self._local.inside = False
     job = _Job(fn)
@@ -231,11 +233,11 @@ class StepGuard:
     start = time.monotonic()
     probes = None
     if not job.done.wait(self.timeout * _PROBE_FRACTION):
-      probes = self._start_probes()
+      probes = self._start_probes() if probe else None
       job.done.wait(max(0.0, self.timeout - (time.monotonic() - start)))
     if job.done.is_set():
       if job.error is not None:
-        self._raise(job.error, what)
+        self._raise(job.error, what, probe)
       return job.result
     # Give the probes at least _MIN_PROBE_TIME to answer, even with a tiny timeout.
     elapsed = time.monotonic() - start
@@ -244,24 +246,24 @@ class StepGuard:
 
   # --- faults ---
 
-  def _call_translating(self, fn, what):
+  def _call_translating(self, fn, what, probe=True):
     saved = getattr(_thread_state, "what", None)
     _thread_state.what = what
     try:
       return fn()
     except tf.errors.OpError as e:
-      self._raise(e, what)
+      self._raise(e, what, probe)
     finally:
       _thread_state.what = saved
 
-  def _raise(self, error, what):
+  def _raise(self, error, what, probe=True):
     """Raises `error`, as `ClusterError` when it is a cluster fault."""
-    translated = self.translate(error, what)
+    translated = self.translate(error, what, probe=probe)
     if translated is error:
       raise error.with_traceback(error.__traceback__)
     raise translated from error
 
-  def translate(self, error, what, require_task=False, record=True):
+  def translate(self, error, what, require_task=False, record=True, probe=True):
     """`error` as a `ClusterError` naming the task at fault, if it is a cluster fault.
 
     Args:
@@ -269,10 +271,11 @@ class StepGuard:
       what: what failed, for the message ("step 12").
       require_task: leave `error` alone when no task of this guard can be blamed.
       record: remember the fault (see `check_healthy`).
+      probe: ask the tasks which one is at fault; else the error's text decides.
     """
     if not isinstance(error, tf.errors.OpError) or not is_cluster_fault(error):
       return error
-    task, status = self._blame(error)
+    task, status = self._blame(error, probe)
     summary = _tf_internal.error_summary(error)
     if task is None and status is None and self._blame_silent_peers and isinstance(
         error, tf.errors.DeadlineExceededError):
@@ -299,7 +302,7 @@ class StepGuard:
                  f"failed: {summary}). {self._advice}")
     return errors.ClusterError(message, task=task)
 
-  def _blame(self, error):
+  def _blame(self, error, probe=True):
     """(the task most likely at fault for `error` or None, that task's probe status).
 
     The message may name a healthy task that failed to reach the dead one, and right
@@ -308,7 +311,7 @@ class StepGuard:
     merely silent, and within each group the tasks the message names come first. With
     every task answering, the message decides.
     """
-    statuses = self._probe_all(_BLAME_TIME)
+    statuses = self._probe_all(_BLAME_TIME) if probe else {}
     named = _tf_internal.tasks_named_in_error(error, self.tasks)
     order = list(self.tasks)
 
