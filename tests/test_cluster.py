@@ -693,7 +693,9 @@ def test_local_cluster_errors_and_cleanup():
   with pytest.raises(ValueError, match="num_workers must be a positive integer. Received: "
                                        "num_workers=0"):
     LocalCluster(num_workers=0)
-  cluster = LocalCluster(num_workers=2, result_timeout=15)
+  # result_timeout includes each worker process's start (TensorFlow's import: up to
+  # ~15 s on a loaded 2-core machine), so it leaves room for that.
+  cluster = LocalCluster(num_workers=2, result_timeout=45)
   with pytest.raises(RuntimeError, match="is not running: use it as `with LocalCluster"):
     cluster.cluster_spec  # pylint: disable=pointless-statement
   with pytest.raises(ZeroDivisionError):
@@ -736,8 +738,8 @@ def test_local_cluster_errors_and_cleanup():
       join()
       assert info.value.task == "/job:worker/replica:0/task:1"
       with pytest.raises(ClusterError, match=r"Worker task\(s\) /job:worker/replica:0/task:1 "
-                                             r"returned no result within result_timeout=15 s"):
-        cluster.run_on_workers(_sleep_fn, seconds=60)
+                                             r"returned no result within result_timeout=45 s"):
+        cluster.run_on_workers(_sleep_fn, seconds=120)
       1 / 0  # pylint: disable=pointless-statement
   assert not os.path.exists(f"/proc/{ps_pid}")  # Stopped although the body raised.
   with pytest.raises(RuntimeError, match="was started already"):
