@@ -11,6 +11,12 @@ where FD is its end of a socket pair, and sends one job (a dict) over it:
 Every child exits when its parent dies (it watches its parent process id), so no
 process outlives the cluster, and ends with `os._exit` so that a step thread still
 blocked in TensorFlow cannot hold the exit up.
+
+A worker child whose environment sets `DISTSTRAT_WORKER_CPUS=N` splits its CPU into N
+logical devices (`/cpu:0` ... `/cpu:N-1`) before it builds its strategy, so that tests
+and benchmarks can run several towers per worker process on a machine without GPUs
+(with `strategy_kwargs={"worker_devices": [...]}`). Children inherit the parent's
+environment.
 """
 
 import faulthandler
@@ -28,6 +34,7 @@ from diststrat._tf import tf
 from diststrat.strategies import ParameterServerStrategy
 
 _PARENT_POLL = 0.5
+WORKER_CPUS_VARIABLE = "DISTSTRAT_WORKER_CPUS"
 
 
 def _exit_when_orphaned(parent_pid):
@@ -62,6 +69,19 @@ def _serve_ps(conn, job):
   return server  # Referenced until here: deleting the Server object stops it.
 
 
+def _split_cpu():
+  """Splits the CPU into `DISTSTRAT_WORKER_CPUS` logical devices, if that is set."""
+  value = os.environ.get(WORKER_CPUS_VARIABLE)
+  if not value:
+    return
+  if not value.isdigit() or int(value) < 1:
+    raise ValueError(f"{WORKER_CPUS_VARIABLE} must be a positive number of logical CPU "
+                     f"devices for each worker process. Received: {value!r}")
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * int(value))
+
+
 def _error_payload(error):
   text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
   try:
@@ -74,6 +94,7 @@ def _error_payload(error):
 
 def _run_worker(conn, job):
   try:
+    _split_cpu()  # Before the user's modules load: they may initialize TensorFlow.
     if job.get("main_path"):
       _load_main(job["main_path"])
     fn = pickle.loads(job["fn"])
