@@ -11,7 +11,6 @@ same in a real cluster.
 
 import itertools
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -23,6 +22,7 @@ from diststrat.cluster import _shared_variables
 from diststrat.errors import ClusterError
 from diststrat.strategies import _tower_threads
 from conftest import CPUS
+import read_cache_cases as cases
 
 PS, WORKERS, CACHE_DEVICE = CPUS[3], CPUS[:2], CPUS[0]
 MODES = ["eager", "function"]
@@ -80,108 +80,17 @@ def make_strategy():
     strategy.destroy()
 
 
-def _ps_reads(step, *args):
-  """ReadVariableOps on the PS in `step`'s graph whose value leaves the PS device.
-
-  Follows each one through Identity ops on the PS (as `read_value()` makes); each that
-  reaches an op elsewhere is a transfer from the PS per execution of the step.
-  """
-  ps = ds.canonicalize_device(PS)
-  on_ps = lambda op: bool(op.device) and ds.canonicalize_device(op.device) == ps
-  count = 0
-  for op in step.get_concrete_function(*args).graph.get_operations():
-    if op.type != "ReadVariableOp" or not on_ps(op):
-      continue
-    frontier, crosses = [op], False
-    while frontier and not crosses:
-      for consumer in (c for out in frontier.pop().outputs for c in out.consumers()):
-        if on_ps(consumer) and consumer.type == "Identity":
-          frontier.append(consumer)
-        elif not on_ps(consumer):
-          crosses = True
-    count += crosses
-  return count
-
-
-def _numpy(nest, strategy):
-  """Every tensor of a nest of results, per tower, as numpy arrays."""
-  flat = []
-  for value in tf.nest.flatten(nest):
-    parts = strategy.unwrap(value) if isinstance(value, ds.values.DistributedValues) else [value]
-    flat += [np.asarray(tf.convert_to_tensor(p)) for p in parts]
-  return flat
-
-
 # --- training: reads per step, and weights against the uncached run and the oracle ------
 
 
-class _MLP(tf.Module):
-  """w2 is used twice per tower (as tied weights are): 2 reads per tower uncached."""
-
-  def __init__(self):
-    super().__init__()
-    rng = np.random.default_rng(1)
-    self.w1 = tf.Variable(rng.normal(size=(6, 8)).astype(np.float32) * 0.3, name="w1")
-    self.b1 = tf.Variable(np.zeros(8, np.float32), name="b1")
-    self.w2 = tf.Variable(rng.normal(size=(8, 3)).astype(np.float32) * 0.3, name="w2")
-    self.b2 = tf.Variable(np.zeros(3, np.float32), name="b2")
-    self.weights = [self.w1, self.b1, self.w2, self.b2]
-
-  def __call__(self, x):
-    h = tf.nn.relu(x @ self.w1 + self.b1)
-    return h @ self.w2 + self.b2 + 0.1 * tf.reduce_mean(self.w2)
-
-
-class _KerasDense(tf.Module):
-
-  def __init__(self):
-    super().__init__()
-    keras.utils.set_random_seed(3)
-    self.hidden, self.out = keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(3)
-    self.hidden.build((None, 6))
-    self.out.build((None, 3))
-    self.weights = self.hidden.trainable_variables + self.out.trainable_variables
-
-  def __call__(self, x):
-    return self.out(self.hidden(x))
-
-
-STEPS = 4
-OPTIMIZERS = {"sgd": lambda: ds.optimizers.GradientDescent(0.1),
-              "adam": lambda: ds.optimizers.Adam(0.05)}
-
-
-def _train(strategy, model_class, optimizer, mode):
-  """Trains STEPS steps on 2 towers; returns the weights and the step (for counting)."""
-  rng = np.random.default_rng(0)
-  xs = rng.normal(size=(STEPS, 2, 4, 6)).astype(np.float32)
-  ys = rng.normal(size=(STEPS, 2, 4, 3)).astype(np.float32)
-  with strategy.scope():
-    model, opt = model_class(), OPTIMIZERS[optimizer]()
-
-  def tower(x, y):
-    opt.minimize(lambda: tf.reduce_mean(tf.square(model(x) - y)), var_list=model.weights)
-
-  def step(x, y):
-    strategy.call_for_each_tower(
-        tower, ds.values.PerDevice(dict(zip(WORKERS, tf.unstack(x)))),
-        ds.values.PerDevice(dict(zip(WORKERS, tf.unstack(y)))))
-
-  if mode == "function":
-    step = tf.function(step)
-  with strategy.scope():
-    for i in range(STEPS):
-      step(tf.constant(xs[i]), tf.constant(ys[i]))
-  return [v.numpy() for v in model.weights], step, (tf.constant(xs[0]), tf.constant(ys[0]))
-
-
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("model_class", [_MLP, _KerasDense], ids=["mlp", "keras_dense"])
+@pytest.mark.parametrize("optimizer", sorted(cases.OPTIMIZERS))
+@pytest.mark.parametrize("model_class", [cases.MLP, cases.KerasDense],
+                         ids=["mlp", "keras_dense"])
 def test_training_reads_each_variable_once_per_step_with_the_same_weights(
     make_strategy, model_class, optimizer, mode):
   runs = {kind: (make_strategy(kind),) for kind in KINDS}
-  runs = {kind: (s, *_train(s, model_class, optimizer, mode)) for kind, (s,) in runs.items()}
+  runs = {kind: (s, *cases.train(s, model_class, optimizer, mode)) for kind, (s,) in runs.items()}
   plain, uncached, cached = (runs[k][1] for k in KINDS)
   initial = [v.numpy() for v in model_class().weights]
   assert any(not np.allclose(a, b) for a, b in zip(plain, initial))  # Training moved them.
@@ -195,144 +104,20 @@ def test_training_reads_each_variable_once_per_step_with_the_same_weights(
   assert stats["fills"] == len(cached) and stats["invalidations"] == len(cached), stats
   assert stats["hits"] > 0
   if mode == "function":
-    [uncached_reads, cached_reads] = [_ps_reads(runs[k][2], *runs[k][3])
+    [uncached_reads, cached_reads] = [cases.ps_reads(runs[k][2], runs[k][3], PS)
                                       for k in ("uncached", "cached")]
     # MLP: 4 variables, w2 used twice, 2 towers: 10 reads; Keras: 4 variables x 2 towers.
-    assert uncached_reads == (10 if model_class is _MLP else 8)
+    assert uncached_reads == (10 if model_class is cases.MLP else 8)
     assert cached_reads == len(cached)
 
 
 # --- gradients: every way a tape or a graph sees a read --------------------------------
 
 
-def _x():
-  tower_id = ds.get_tower_context().tower_id
-  return tf.constant(np.arange(8, dtype=np.float32).reshape(2, 4) * (0.1 + tower_id))
-
-
-def _loss(w, b, x):
-  h = tf.tanh(x @ w + b)
-  return tf.reduce_sum(h * h) + tf.reduce_sum(w) * tf.reduce_mean(b)  # w, b used twice
-
-
-def case_auto_watch(v):
-  with tf.GradientTape() as tape:
-    loss = _loss(v["w"], v["b"], _x())
-  watched = sorted(u.name for u in tape.watched_variables())
-  return tape.gradient(loss, [v["w"], v["b"]]), tf.constant(watched == sorted(
-      [v["w"].name, v["b"].name]))
-
-
-def case_explicit_watch(v):
-  with tf.GradientTape(watch_accessed_variables=False) as tape:
-    tape.watch(v["w"])
-    loss = _loss(v["w"], v["b"], _x())
-  return tape.gradient(loss, [v["w"], v["b"]], unconnected_gradients="zero")
-
-
-def case_persistent_and_second_order(v):
-  with tf.GradientTape() as outer:
-    with tf.GradientTape(persistent=True) as inner:
-      loss = _loss(v["w"], v["b"], _x())
-    gw, gb = inner.gradient(loss, v["w"]), inner.gradient(loss, v["b"])
-    norm = tf.reduce_sum(gw * gw)
-  return gw, gb, outer.gradient(norm, [v["w"], v["b"]])
-
-
-def case_keras_layer(v):
-  with tf.GradientTape() as tape:
-    loss = tf.reduce_sum(tf.square(v["layer"](_x())))
-  return tape.gradient(loss, v["layer"].trainable_variables)
-
-
-def case_symbolic_gradients(v):
-  if tf.executing_eagerly():
-    return tf.constant(0.0)  # tf.gradients is for graphs only.
-  return tf.gradients(_loss(v["w"], v["b"], _x()), [v["w"], v["b"]])
-
-
-def case_sparse_and_dense(v):
-  ids = tf.constant([1, 3, 3, 7 + ds.get_tower_context().tower_id])
-  with tf.GradientTape() as tape:
-    rows = tf.gather(v["emb"], ids)  # A sparse read: not cached.
-    loss = tf.reduce_sum(rows @ v["w"]) + tf.reduce_sum(v["emb"][0])  # emb[0]: dense.
-  grad_w, grad_emb = tape.gradient(loss, [v["w"], v["emb"]])
-  return grad_w, tf.convert_to_tensor(grad_emb)
-
-
-def case_write_then_read(v):
-  before = v["w"] * 1.0
-  v["b"].assign_add(tf.ones([3]))  # Every tower adds 1 to the shared b.
-  after = v["b"] * 1.0
-  v["w"].assign(v["w"] * 2.0)
-  v["emb"][0:2].assign(tf.fill([2, 4], 5.0))  # Slice assignment.
-  return before, after, tf.identity(v["w"]), v["emb"] + 0.0
-
-
-def case_read_after_merge_call(v):
-  x = _x()
-  before = tf.identity(v["w"])
-  v["opt"].minimize(lambda: _loss(v["w"], v["b"], x), var_list=[v["w"], v["b"]])
-  return before, tf.identity(v["w"]), v["b"] + 0.0
-
-
-def case_cond(v):
-  x = _x()
-  with tf.GradientTape() as tape:
-    y = tf.cond(tf.reduce_sum(x) > 0.0, lambda: tf.reduce_sum(v["w"] * 2.0),
-                lambda: tf.reduce_sum(v["w"]))
-    loss = y * tf.reduce_sum(v["w"]) + _loss(v["w"], v["b"], x)
-  return tape.gradient(loss, [v["w"], v["b"]])
-
-
-@tf.function
-def _inner_loss(w, b, x):
-  return _loss(w, b, x)
-
-
-def case_inner_function(v):
-  with tf.GradientTape() as tape:
-    loss = _inner_loss(v["w"], v["b"], _x()) + tf.reduce_sum(v["w"] * v["w"])
-  return tape.gradient(loss, [v["w"], v["b"]])
-
-
-def case_forward_accumulator(v):
-  with tf.autodiff.ForwardAccumulator(v["w"], tf.ones_like(v["w"])) as acc:
-    loss = _loss(v["w"], v["b"], _x())
-  return acc.jvp(loss)
-
-
-CASES = [case_auto_watch, case_explicit_watch, case_persistent_and_second_order,
-         case_keras_layer, case_symbolic_gradients, case_sparse_and_dense,
-         case_write_then_read, case_read_after_merge_call, case_cond, case_inner_function,
-         case_forward_accumulator]
-
-
-def _run_case(strategy, case, mode):
-  rng = np.random.default_rng(7)
-  with strategy.scope():
-    v = {"w": tf.Variable(rng.normal(size=(4, 3)).astype(np.float32), name="w"),
-         "b": tf.Variable(rng.normal(size=(3,)).astype(np.float32), name="b"),
-         "emb": tf.Variable(rng.normal(size=(10, 4)).astype(np.float32), name="emb"),
-         "opt": ds.optimizers.GradientDescent(0.1)}
-    keras.utils.set_random_seed(3)
-    v["layer"] = keras.layers.Dense(3, activation="tanh")
-    v["layer"].build((None, 4))
-
-  def step():
-    return strategy.call_for_each_tower(case, v)
-
-  if mode == "function":
-    step = tf.function(step)
-  with strategy.scope():
-    out = step()
-  return _numpy(out, strategy) + [u.numpy() for u in (v["w"], v["b"], v["emb"])]
-
-
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[len("case_"):])
+@pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.__name__[len("case_"):])
 def test_gradients_and_values_match_uncached_reads(make_strategy, case, mode):
-  results = {kind: _run_case(make_strategy(kind), case, mode) for kind in KINDS}
+  results = {kind: cases.run_case(make_strategy(kind), case, mode) for kind in KINDS}
   for kind in ("uncached", "cached"):
     assert len(results[kind]) == len(results["plain"])
     for got, expected in zip(results[kind], results["plain"]):
@@ -343,24 +128,24 @@ def test_what_each_case_reads_from_the_cache(make_strategy):
   """The cases above do go through the cache where they should, and only there."""
   def stats(case, mode):
     strategy = make_strategy("cached")
-    _run_case(strategy, case, mode)
+    cases.run_case(strategy, case, mode)
     return strategy.last_read_cache_stats
 
   # w and b: one fill each, then only hits (4 uses each per tower, 2 towers).
-  assert stats(case_auto_watch, "function") == {
+  assert stats(cases.case_auto_watch, "function") == {
       "fills": 2, "hits": 6, "invalidations": 0, "too_large": 0, "other_graph": 0}
   # Each write drops its variable (b, w, emb), so the read after it fills again.
-  write = stats(case_write_then_read, "eager")
+  write = stats(cases.case_write_then_read, "eager")
   assert write["invalidations"] >= 3 and write["fills"] >= 5, write
   # The merge_call drops w and b; the reads after it fill again.
-  merge = stats(case_read_after_merge_call, "eager")
+  merge = stats(cases.case_read_after_merge_call, "eager")
   assert merge["invalidations"] == 2 and merge["fills"] == 4, merge
   # Reads inside tf.cond's branches (nested graphs) are left alone.
-  assert stats(case_cond, "function")["other_graph"] > 0
-  assert stats(case_cond, "eager")["other_graph"] == 0
+  assert stats(cases.case_cond, "function")["other_graph"] > 0
+  assert stats(cases.case_cond, "eager")["other_graph"] == 0
   # The inner tf.function reads w and b itself (its trace is shared, so when it traces
   # is not counted here); the two outer uses of w per tower are cached.
-  inner = stats(case_inner_function, "function")
+  inner = stats(cases.case_inner_function, "function")
   assert inner["fills"] == 1 and inner["hits"] == 3, inner
 
 
