@@ -11,6 +11,7 @@ same in a real cluster.
 
 import itertools
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -171,6 +172,31 @@ def test_variables_over_the_size_limit_are_read_where_used(make_strategy, mode):
       "fills": 1, "hits": 3, "invalidations": 0, "too_large": 4, "other_graph": 0}
   for grad_w in strategy.unwrap(grads[0]):
     np.testing.assert_allclose(grad_w, np.full([4, 3], 3.0))  # x^T b + 1
+
+
+@pytest.mark.parametrize("max_bytes, stats", [
+    (2**20, {"fills": 1, "hits": 3, "invalidations": 0, "too_large": 0, "other_graph": 0}),
+    (100, {"fills": 0, "hits": 0, "invalidations": 0, "too_large": 4, "other_graph": 0}),
+])
+def test_keras_embedding_reads_its_table_densely(make_strategy, max_bytes, stats):
+  """Keras 3's Embedding reads its whole table densely, twice per tower (the reason the
+  size limit is high: over it, those reads go to the PS; docs/parameter_server.md)."""
+  strategy = make_strategy("cached", max_bytes=max_bytes)  # The table: 160 bytes.
+  with strategy.scope():
+    embedding = keras.layers.Embedding(10, 4)
+    embedding.build((None,))
+
+  def tower():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(embedding(tf.constant([1, 2, 2])))
+    return tape.gradient(loss, embedding.trainable_variables)[0]
+
+  with strategy.scope():
+    grads = strategy.call_for_each_tower(tower)
+  assert strategy.last_read_cache_stats == stats
+  for grad in strategy.unwrap(grads):
+    dense = tf.convert_to_tensor(grad).numpy()
+    np.testing.assert_allclose(dense.sum(axis=1), [0, 4, 8, 0, 0, 0, 0, 0, 0, 0])
 
 
 def test_reads_outside_towers_are_not_cached(make_strategy):
