@@ -20,7 +20,9 @@ How one is made (`create_shared_variable`):
 3. Every operation on the variable runs on its PS device (an explicit device scope around
    reads, assigns and scatters: `_tf_internal.RESOURCE_METHODS`), where TensorFlow
    enqueues eager remote ops asynchronously instead of wrapping each in a synchronous
-   function call.
+   function call. The exception: a dense read in a tower of a `call_for_each_tower`
+   that caches reads is served by that call's `ReadCache` (cluster/_read_cache.py),
+   and every write drops the variable from the open caches.
 
 Shared names must be the same in every worker process and unique: `SharedNames` gives
 the n-th variable that asks for the name `x` the name `x`, `x_1`, ... in creation

@@ -248,8 +248,8 @@ class ParameterServerStrategy(DistributionStrategy):
     before), `invalidations` (values dropped by `merge_call`s and writes),
     `too_large` (reads of variables over `cache_reads_max_bytes`, or not numeric) and
     `other_graph` (reads in a nested graph or under `tf.init_scope`), counted while the
-    towers run: per call eagerly, per trace in a `tf.function`. None until a call
-    cached reads.
+    towers run: per call eagerly, per trace in a `tf.function`. None when the last call
+    did not cache reads.
     """
     return None if self._last_read_cache_stats is None else dict(self._last_read_cache_stats)
 
@@ -402,7 +402,7 @@ class ParameterServerStrategy(DistributionStrategy):
     finally:
       if cache is not None:
         cache.close()
-        self._last_read_cache_stats = cache.stats
+      self._last_read_cache_stats = None if cache is None else cache.stats
     return _wrapped.regroup(results, self._worker_devices_tuple)
 
   # In cluster mode, each cross-tower operation called eagerly is bounded by step_timeout
