@@ -1,9 +1,9 @@
 """Models and tower functions that read parameter-server variables in every way there is.
 
 Shared by tests/test_read_cache.py (one process) and tests/test_cluster.py, whose worker
-processes import this module too: it must not import conftest (that would split the
-worker's CPU again). Every function takes the strategy to run on; `train` and
-`run_case` run on its first two worker devices' towers.
+processes import this module too: it must not import conftest, which would split the
+worker's CPU into 4 devices at import. `train` and `run_case` run on 2 towers: the
+strategy's worker devices.
 """
 
 import keras

@@ -34,7 +34,6 @@ from diststrat._tf import tf
 from diststrat.strategies import ParameterServerStrategy
 
 _PARENT_POLL = 0.5
-WORKER_CPUS_VARIABLE = "DISTSTRAT_WORKER_CPUS"
 
 
 def _exit_when_orphaned(parent_pid):
@@ -67,6 +66,9 @@ def _serve_ps(conn, job):
   except (EOFError, OSError):
     pass
   return server  # Referenced until here: deleting the Server object stops it.
+
+
+WORKER_CPUS_VARIABLE = "DISTSTRAT_WORKER_CPUS"
 
 
 def _split_cpu():
