@@ -4,28 +4,41 @@ Training-step throughput of an MLP 784-1024-1024-10 (batch 256 per step, plain S
 whole step in one tf.function) on a cluster of 1 parameter server and 2 workers, every
 process on this machine, talking gRPC over loopback:
 
-  diststrat       `diststrat.cluster.LocalCluster(num_ps=1, num_workers=2)`: each worker
-                  process runs its own training loop (`strategy.run_step(step)`) on
-                  variables shared through the PS: asynchronous training.
-  tf.distribute   `tf.distribute.experimental.ParameterServerStrategy` with a
-                  `ClusterCoordinator`: a coordinator process schedules the steps on the
-                  two worker servers (asynchronous training too), with a per-worker
-                  dataset repeating the same batch.
+  diststrat cached     `diststrat.cluster.LocalCluster(num_ps=1, num_workers=2)`: each
+                       worker process runs its own training loop
+                       (`strategy.run_step(step)`) on variables shared through the PS
+                       (asynchronous training), with read caching (`cache_reads=True`,
+                       the default in cluster mode).
+  diststrat uncached   the same with `cache_reads=False`: every use of a variable in a
+                       tower reads it from the PS.
+  tf.distribute        `tf.distribute.experimental.ParameterServerStrategy` with a
+                       `ClusterCoordinator`: a coordinator process schedules the steps on
+                       the two worker servers (asynchronous training too), with a
+                       per-worker dataset repeating the same batch.
 
-Both do the same work per step: read the variables from the PS, compute the gradient of
-one batch of 256 on a worker, send it to the PS and apply `var -= lr * grad` there. The
-figure is examples/s summed over both workers, measured while both are busy. Blocks of
-the two contenders alternate (A B B A ...) in one run, all processes children of this
-one: the machine drifts up to 2x between runs, so only the same-run ratio means
-anything. tf.distribute is only ever the peer here; diststrat never uses it.
+All do the same work per worker step: read the variables from the PS, compute the
+gradient of one batch of 256 on a worker, send it to the PS and apply
+`var -= lr * grad` there. The figure is examples/s summed over both workers, measured
+while both are busy, and the bytes the PS process sent and received per worker step (its
+TCP sockets' counters, from `ss`, around the timed window). Blocks of the contenders
+alternate (A B C, C B A, ...) in one run, all processes children of this one: the machine
+drifts up to 2x between runs, so only same-run ratios mean anything. tf.distribute is
+only ever the peer here; diststrat never uses it.
+
+`--towers=2` splits each diststrat worker's batch over 2 towers (2 logical CPUs per
+worker process), and `--eager` runs diststrat's step without tf.function: the cases where
+a variable is used more than once per worker step, so that caching saves reads. The
+tf.distribute peer runs as in the default configuration.
 
 Usage:
   python benchmarks/ps_benchmark.py --out benchmarks/results/ps.json
   python benchmarks/ps_benchmark.py --quick        # a short smoke run
+  python benchmarks/ps_benchmark.py --towers=2 --out benchmarks/results/ps_2towers.json
 """
 
 import json
 import os
+import re
 import select
 import signal
 import statistics
@@ -75,6 +88,33 @@ def loss_fn(variables, x, y):
   return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)) / BATCH
 
 
+def ps_bytes(pid):
+  """(bytes sent, bytes received) so far by the established TCP sockets of process `pid`.
+
+  From `ss -tinp` (tcp_info's bytes_sent and bytes_received); None if `ss` is missing.
+  TensorFlow's gRPC runtime pulls tensors: a worker fetches the values it reads over its
+  connection to the PS, and the PS fetches the gradients over its own connections to the
+  workers; both are sockets of the PS process.
+  """
+  try:
+    text = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True,
+                          text=True, timeout=10, check=True).stdout
+  except (OSError, subprocess.SubprocessError):
+    return None
+  sent = received = 0
+  for entry in re.split(r"\n(?=\S)", text):  # One socket: a line, then indented info.
+    if f"pid={pid}," in entry:
+      sent += sum(int(n) for n in re.findall(r"bytes_sent:(\d+)", entry))
+      received += sum(int(n) for n in re.findall(r"bytes_received:(\d+)", entry))
+  return sent, received
+
+
+def _bytes_per_step(before, after, steps):
+  if before is None or after is None or not steps:
+    return None
+  return {"sent": (after[0] - before[0]) / steps, "received": (after[1] - before[1]) / steps}
+
+
 def _wait_for_files(paths, timeout):
   deadline = time.monotonic() + timeout
   while not all(os.path.exists(p) for p in paths):
@@ -86,41 +126,59 @@ def _wait_for_files(paths, timeout):
 # --- diststrat: one training loop per worker process ---------------------------------
 
 
-def diststrat_worker(strategy, seconds, warmup, sync_dir, block):
+def diststrat_worker(strategy, seconds, warmup, sync_dir, block, cache_reads, eager,
+                     ps_pid):
   """Runs in each worker process of the LocalCluster (pickled by run_on_workers)."""
   import diststrat as ds  # pylint: disable=g-import-not-at-top
+  strategy.cache_reads = cache_reads
   with strategy.scope():
     variables = [tf.Variable(v, name=f"mlp_{i}") for i, v in enumerate(initial_values())]
     opt = ds.optimizers.GradientDescent(LR)
-  with tf.device(strategy.worker_devices[0]):
-    x, y = (tf.constant(a) for a in make_batch())
+  devices = strategy.worker_devices
+  per_tower = BATCH // len(devices)  # loss_fn divides by BATCH: tower gradients add up.
+  batch = {}
+  for i, device in enumerate(devices):
+    with tf.device(device):
+      batch[device] = [tf.constant(a[i * per_tower:(i + 1) * per_tower])
+                       for a in make_batch()]
+  xs, ys = (ds.values.PerDevice({d: batch[d][k] for d in devices}) for k in (0, 1))
 
-  def tower_fn():
+  def tower_fn(x, y):
     return opt.minimize(lambda: loss_fn(variables, x, y), var_list=variables)
 
-  @tf.function
   def step():
-    strategy.call_for_each_tower(tower_fn)
+    strategy.call_for_each_tower(tower_fn, xs, ys)
 
+  if not eager:
+    step = tf.function(step)
   for _ in range(warmup):
     strategy.run_step(step)
   # Barrier: time only while both workers train.
   open(os.path.join(sync_dir, f"ready_{block}_{strategy.task_id}"), "w").close()
   _wait_for_files([os.path.join(sync_dir, f"ready_{block}_{i}") for i in range(2)], 120)
+  io_before = ps_bytes(ps_pid)
   steps, start = 0, time.perf_counter()
   while time.perf_counter() - start < seconds:
     strategy.run_step(step)
     steps += 1
-  return {"steps": steps, "seconds": time.perf_counter() - start,
-          "loss": float(loss_fn(variables, x, y))}
+  elapsed = time.perf_counter() - start
+  io_after = ps_bytes(ps_pid)
+  x, y = batch[devices[0]]
+  return {"steps": steps, "seconds": elapsed, "io": (io_before, io_after),
+          "loss": float(loss_fn(variables, x, y)) * len(devices)}
 
 
-def diststrat_block(cluster, seconds, warmup, sync_dir, block):
+def diststrat_block(cluster, seconds, warmup, sync_dir, block, cache_reads, eager):
   results = cluster.run_on_workers(diststrat_worker, seconds=seconds, warmup=warmup,
-                                   sync_dir=sync_dir, block=block)
+                                   sync_dir=sync_dir, block=block, cache_reads=cache_reads,
+                                   eager=eager, ps_pid=cluster.pid("ps", 0))
   throughput = sum(r["steps"] / r["seconds"] for r in results) * BATCH
+  # Bytes over worker 0's window, per step taken by both workers in that window.
+  first = results[0]
+  steps = sum(r["steps"] * min(1.0, first["seconds"] / r["seconds"]) for r in results)
   return {"throughput": throughput, "steps": [r["steps"] for r in results],
-          "loss": max(r["loss"] for r in results)}
+          "loss": max(r["loss"] for r in results),
+          "ps_bytes_per_step": _bytes_per_step(*first["io"], steps)}
 
 
 # --- tf.distribute: servers, and a coordinator process --------------------------------
@@ -137,7 +195,7 @@ def serve(spec, job, task):
   del server
 
 
-def coordinator(spec):
+def coordinator(spec, ps_pid):
   """Answers "block SECONDS WARMUP" lines on stdin with one JSON line each."""
   resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
       tf.train.ClusterSpec(spec), task_type="chief", task_id=0, rpc_layer="grpc")
@@ -169,6 +227,7 @@ def coordinator(spec):
     for _ in range(int(warmup)):
       coord.schedule(step, args=(iterator,))
     coord.join()
+    io_before = ps_bytes(ps_pid)
     in_flight, steps, start = [], 0, time.perf_counter()
     while time.perf_counter() - start < float(seconds):
       in_flight.append(coord.schedule(step, args=(iterator,)))
@@ -177,9 +236,12 @@ def coordinator(spec):
         in_flight.pop(0).fetch()
     coord.join()
     elapsed = time.perf_counter() - start
+    io_after = ps_bytes(ps_pid)
     loss = float(in_flight[-1].fetch()) if in_flight else float("nan")
     print(json.dumps({"throughput": steps * BATCH / elapsed, "steps": [steps],
-                      "loss": loss}), flush=True)
+                      "loss": loss,
+                      "ps_bytes_per_step": _bytes_per_step(io_before, io_after, steps)}),
+          flush=True)
 
 
 class _Peer:
@@ -195,7 +257,7 @@ class _Peer:
                  for job, task in (("ps", 0), ("worker", 0), ("worker", 1))]
       for p in servers:
         self._read_line(p, START_TIMEOUT)
-      self.coordinator = self._spawn("--coordinator")
+      self.coordinator = self._spawn("--coordinator", f"--ps_pid={servers[0].pid}")
       self._read_line(self.coordinator, START_TIMEOUT)
     except BaseException:
       self.stop()
@@ -237,34 +299,65 @@ def summarize(values):
           "values": values}
 
 
-def run(rounds, seconds, warmup):
+CONTENDERS = ("diststrat cached", "diststrat uncached", "tf.distribute")
+
+
+def _ratios(blocks, numerator, denominator):
+  return summarize([a["throughput"] / b["throughput"]
+                    for a, b in zip(blocks[numerator], blocks[denominator])])
+
+
+def _median_bytes(blocks, direction):
+  values = [b["ps_bytes_per_step"][direction] for b in blocks
+            if b.get("ps_bytes_per_step") is not None]
+  return statistics.median(values) if values else None
+
+
+def run(rounds, seconds, warmup, towers, eager):
   import diststrat as ds  # pylint: disable=g-import-not-at-top
-  blocks = {"diststrat": [], "tf.distribute": []}
+  blocks = {name: [] for name in CONTENDERS}
   started = time.perf_counter()
+  strategy_kwargs = {}
+  if towers > 1:  # Each worker process splits its CPU into `towers` logical devices.
+    strategy_kwargs["worker_devices"] = [f"/cpu:{i}" for i in range(towers)]
   with tempfile.TemporaryDirectory() as sync_dir, \
-      ds.cluster.LocalCluster(num_ps=1, num_workers=2, result_timeout=BLOCK_TIMEOUT) as cluster:
+      ds.cluster.LocalCluster(num_ps=1, num_workers=2, result_timeout=BLOCK_TIMEOUT,
+                              cpus_per_worker=towers if towers > 1 else None,
+                              strategy_kwargs=strategy_kwargs) as cluster:
     peer = _Peer()
     try:
+      block = 0
       for r in range(rounds):
-        order = ["diststrat", "tf.distribute"] if r % 2 == 0 else ["tf.distribute", "diststrat"]
-        for name in order:
-          if name == "diststrat":
-            result = diststrat_block(cluster, seconds, warmup, sync_dir, block=r)
-          else:
+        for name in (CONTENDERS if r % 2 == 0 else CONTENDERS[::-1]):
+          if name == "tf.distribute":
             result = peer.block(seconds, warmup)
+          else:
+            result = diststrat_block(cluster, seconds, warmup, sync_dir, block,
+                                     cache_reads=name == "diststrat cached", eager=eager)
+            block += 1
           blocks[name].append(result)
-          print(f"  round {r + 1}/{rounds} {name:13s} {result['throughput']:7.0f} examples/s "
-                f"(steps {result['steps']}, loss {result['loss']:.3f})", file=sys.stderr,
-                flush=True)
+          io = result.get("ps_bytes_per_step")
+          io = (f", PS sent/received {io['sent'] / 1e6:.2f}/{io['received'] / 1e6:.2f} "
+                "MB per step" if io else "")
+          print(f"  round {r + 1}/{rounds} {name:18s} {result['throughput']:7.0f} "
+                f"examples/s (steps {result['steps']}, loss {result['loss']:.3f}{io})",
+                file=sys.stderr, flush=True)
     finally:
       peer.stop()
-  ours = [b["throughput"] for b in blocks["diststrat"]]
-  theirs = [b["throughput"] for b in blocks["tf.distribute"]]
+  towers_text = f"{towers} towers per worker" if towers > 1 else "1 tower per worker"
   return {
-      "model": "MLP 784-1024-1024-10, batch 256 per step, SGD, 1 PS + 2 workers",
+      "model": "MLP 784-1024-1024-10, batch 256 per worker step, SGD, 1 PS + 2 workers",
+      "diststrat": f"{towers_text}, step {'eager' if eager else 'in one tf.function'}",
       "rounds": rounds, "seconds_per_block": seconds, "warmup_steps": warmup,
-      "throughput": {"diststrat": summarize(ours), "tf.distribute": summarize(theirs)},
-      "ratio": summarize([a / b for a, b in zip(ours, theirs)]),
+      "towers": towers, "eager": eager,
+      "throughput": {name: summarize([b["throughput"] for b in blocks[name]])
+                     for name in CONTENDERS},
+      "vs_tf_distribute": {name: _ratios(blocks, name, "tf.distribute")
+                           for name in CONTENDERS},
+      "cached_vs_uncached": _ratios(blocks, "diststrat cached", "diststrat uncached"),
+      "ps_mb_per_step": {name: {d: (None if _median_bytes(blocks[name], d) is None
+                                    else _median_bytes(blocks[name], d) / 1e6)
+                                for d in ("sent", "received")} for name in CONTENDERS},
       "blocks": blocks,
       "wall_seconds": time.perf_counter() - started,
       "tensorflow": tf.__version__,
@@ -272,18 +365,23 @@ def run(rounds, seconds, warmup):
   }
 
 
+def _range(summary):
+  return f"{summary['median']:.2f}x ({summary['min']:.2f}-{summary['max']:.2f})"
+
+
 def print_report(report):
-  t, ratio = report["throughput"], report["ratio"]
-  print(f"\n### {report['model']}: examples/s, median (min-max) over "
-        f"{report['rounds']} interleaved blocks of {report['seconds_per_block']:g} s\n")
-  print("| contender | examples/s | vs tf.distribute |")
-  print("|---|---|---|")
-  for name in ("diststrat", "tf.distribute"):
-    s = t[name]
-    vs = (f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
-          if name == "diststrat" else "1.00x")
-    print(f"| {name} | {s['median']:.0f} ({s['min']:.0f}-{s['max']:.0f}) | {vs} |")
-  print(f"\nratio per round (diststrat / tf.distribute): "
+  print(f"\n### {report['model']}; diststrat: {report['diststrat']}. Examples/s, median "
+        f"(min-max) over {report['rounds']} interleaved blocks of "
+        f"{report['seconds_per_block']:g} s\n")
+  print("| contender | examples/s | vs tf.distribute | PS MB sent / received per step |")
+  print("|---|---|---|---|")
+  for name in CONTENDERS:
+    t, mb = report["throughput"][name], report["ps_mb_per_step"][name]
+    io = "n/a" if mb["sent"] is None else f"{mb['sent']:.2f} / {mb['received']:.2f}"
+    print(f"| {name} | {t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | "
+          f"{_range(report['vs_tf_distribute'][name])} | {io} |")
+  ratio = report["cached_vs_uncached"]
+  print(f"\ndiststrat cached / uncached: {_range(ratio)}; per round: "
         + ", ".join(f"{v:.2f}" for v in ratio["values"]))
 
 
@@ -291,6 +389,9 @@ flags.DEFINE_string("out", "benchmarks/results/ps.json", "Where to write the JSO
 flags.DEFINE_bool("quick", False, "A short smoke run.")
 flags.DEFINE_integer("rounds", None, "Rounds of blocks (default 4; 1 with --quick).")
 flags.DEFINE_float("seconds", None, "Timed seconds per block (default 8; 3 with --quick).")
+flags.DEFINE_integer("towers", 1, "Towers per diststrat worker process (logical CPUs).")
+flags.DEFINE_bool("eager", False, "Run diststrat's step eagerly, not in a tf.function.")
+flags.DEFINE_integer("ps_pid", None, "Internal: the tf.distribute PS process id.")
 flags.DEFINE_string("serve", None, "Internal: serve the tf.distribute task JOB:TASK.")
 flags.DEFINE_bool("coordinator", False, "Internal: run the tf.distribute coordinator.")
 flags.DEFINE_string("spec", None, "Internal: the cluster spec, as JSON.")
@@ -304,10 +405,11 @@ def main(argv):
     job, task = args.serve.split(":")
     return serve(json.loads(args.spec), job, int(task))
   if args.coordinator:
-    return coordinator(json.loads(args.spec))
+    return coordinator(json.loads(args.spec), args.ps_pid)
   rounds = args.rounds or (1 if args.quick else 4)
   seconds = args.seconds or (3.0 if args.quick else 8.0)
-  report = run(rounds, seconds, warmup=3 if args.quick else 5)
+  report = run(rounds, seconds, warmup=3 if args.quick else 5, towers=args.towers,
+               eager=args.eager)
   print_report(report)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

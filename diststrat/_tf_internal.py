@@ -43,6 +43,12 @@ Reaches, by what needs them:
 - Inside `tf.function`, AutoGraph rebuilds errors raised in converted code from their
   message, as another type (`StagingError`) and without their notes, unless they are
   marked to pass through (`pass_through_autograph`, `pass_through_autograph_class`).
+- Read caching (cluster/_read_cache.py) hands a tower a value read earlier instead of
+  reading the variable again, and must make tapes treat it as a read of the variable:
+  watch the variable as a read would (`variable_accessed`) and record the value as a
+  function of the variable's handle (`record_variable_read`). `tf.custom_gradient`
+  around the handle still needs the first, and fails for forward accumulators in a
+  graph ("dtype resource is not compatible").
 
 Protocols: methods TensorFlow calls on diststrat's objects by private names. They are
 defined where the objects are; their names are listed here and tested:
@@ -493,6 +499,37 @@ def record_backward(op_name, outputs, inputs, backward):
 def stop_recording():
   """Context manager: no tape of this thread records while it is entered."""
   return _record.stop_recording()
+
+
+def variable_accessed(variable):
+  """Tells this thread's tapes, and the graph being built, that `variable` was read.
+
+  What every read of a resource variable does first: tapes that watch accessed
+  variables start watching it (`tape.watched_variables()` lists it), and a `FuncGraph`
+  marks it as used. No public API does this without running a read op on the
+  variable's own device.
+  """
+  _resource_variable_ops.variable_accessed(variable)
+
+
+def record_variable_read(variable, value):
+  """Records `value` on this thread's tapes as a read of `variable` (gradient: identity).
+
+  The record TensorFlow makes for a read inside a graph, on the variable's handle,
+  which `tape.watch(variable)` and `tape.gradient(..., variable)` look up; it replaces
+  what the tapes recorded for `value` before. In a graph, forward accumulators
+  (`tf.autodiff.ForwardAccumulator`) watch the graph's capture of the handle instead,
+  so the read is recorded for them on the capture too.
+  """
+  _record.record_operation("ReadVariableOp", [value], [variable.handle],
+                           backward_function=lambda grad: [grad],
+                           forward_function=lambda tangent: [tangent])
+  if not tf.executing_eagerly():
+    captured = tf.convert_to_tensor(variable.handle)  # This graph's capture of it.
+    if captured is not variable.handle:
+      _record.record_operation_forwardprop_only(
+          "ReadVariableOp", [value], [captured], backward_function=lambda grad: [grad],
+          forwardprop_output_indices=None)
 
 
 def should_record(tensors):

@@ -23,6 +23,7 @@ import diststrat as ds
 from diststrat.cluster import _shared_variables
 from diststrat.cluster import LocalCluster
 from diststrat.errors import ClusterError
+import read_cache_cases as cases
 
 TIMEOUT = 120  # Seconds, per cluster test.
 
@@ -813,3 +814,76 @@ def test_cluster_error_keeps_its_task_through_pickling():
 def test_cluster_module_is_public():
   assert "cluster" in ds.__all__ and ds.cluster.LocalCluster is LocalCluster
   assert ds.cluster.__all__ == ["LocalCluster"]
+
+
+# --- read caching: 1 worker process with 2 towers -------------------------------------
+
+
+READ_CACHE_MODELS = {"mlp": cases.MLP, "keras_dense": cases.KerasDense}
+READ_CACHE_CASES = [cases.case_auto_watch, cases.case_keras_layer, cases.case_write_then_read,
+                    cases.case_read_after_merge_call, cases.case_forward_accumulator]
+
+
+def _read_cache_fn(strategy):
+  """Trains, and runs tower functions, with 2 towers, without then with read caching.
+
+  Each run makes its own variables on the PS (a second request for a name gets a new
+  shared name).
+  """
+  out = {"worker_devices": list(strategy.worker_devices), "default": strategy.cache_reads,
+         "weights": {}, "reads": {}, "stats": {}, "cases": {}, "case_fills": {}}
+  for cached in (False, True):
+    strategy.cache_reads = cached
+    for model, model_class in READ_CACHE_MODELS.items():
+      for optimizer in sorted(cases.OPTIMIZERS):
+        for mode in ("eager", "function"):
+          key = (model, optimizer, mode, cached)
+          out["weights"][key], step, args = cases.train(strategy, model_class, optimizer, mode)
+          out["stats"][key] = strategy.last_read_cache_stats
+          if mode == "function":
+            out["reads"][key] = cases.ps_reads(step, args, f"{PS0}/device:CPU:0")
+    for case in READ_CACHE_CASES:
+      for mode in ("eager", "function"):
+        out["cases"][(case.__name__, mode, cached)] = cases.run_case(strategy, case, mode)
+        out["case_fills"][(case.__name__, mode, cached)] = (
+            strategy.last_read_cache_stats or {}).get("fills", 0)
+  return out
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_reads_are_cached_per_step_with_the_same_training():
+  with LocalCluster(1, 1, cpus_per_worker=2, start_timeout=60, result_timeout=100,
+                    strategy_kwargs={"worker_devices": ["/cpu:0", "/cpu:1"]}) as cluster:
+    [r] = cluster.run_on_workers(_read_cache_fn)
+  assert r["worker_devices"] == [f"{WORKER0}/device:CPU:0", f"{WORKER0}/device:CPU:1"]
+  assert r["default"] is True  # cache_reads defaults to True in cluster mode.
+  # The oracle: the same training and towers in this process, with plain variables.
+  reference = ds.ParameterServerStrategy(worker_devices=["/cpu:0", "/cpu:1"],
+                                         ps_devices=["/cpu:3"])
+  for model, model_class in READ_CACHE_MODELS.items():
+    for optimizer in sorted(cases.OPTIMIZERS):
+      for mode in ("eager", "function"):
+        key = (model, optimizer, mode)
+        expected = cases.train(reference, model_class, optimizer, mode)[0]
+        uncached, cached = (r["weights"][key + (c,)] for c in (False, True))
+        for a, b, c in zip(expected, uncached, cached):
+          np.testing.assert_allclose(c, b, rtol=1e-6, atol=1e-7, err_msg=str(key))
+          np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6, err_msg=str(key))
+        # Cached: each of the 4 variables is read from the PS once per step (then the
+        # optimizer's merge_call drops the values); uncached, once per use per tower.
+        stats = r["stats"][key + (True,)]
+        assert stats["fills"] == 4 and stats["hits"] > 0, (key, stats)
+        assert r["stats"][key + (False,)] is None
+        if mode == "function":
+          reads = (r["reads"][key + (False,)], r["reads"][key + (True,)])
+          assert reads == ((10 if model == "mlp" else 8), 4), (key, reads)
+  for case in READ_CACHE_CASES:
+    for mode in ("eager", "function"):
+      expected = cases.run_case(reference, case, mode)
+      for cached in (False, True):
+        got = r["cases"][(case.__name__, mode, cached)]
+        assert (r["case_fills"][(case.__name__, mode, cached)] > 0) == cached
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+          np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
+                                     err_msg=f"{case.__name__} {mode} cached={cached}")

@@ -411,3 +411,37 @@ def test_stop_recording():
     with _tf_internal.stop_recording():
       y = x * x
   assert tape.gradient(y, x) is None, _broke("stop_recording", "the tape still recorded")
+
+
+def test_variable_accessed():
+  v = tf.Variable([1.0, 2.0])
+  with tf.GradientTape() as tape:
+    _tf_internal.variable_accessed(v)  # No op runs; the tape watches v all the same.
+  assert [u is v for u in tape.watched_variables()] == [True], _broke(
+      "variable_accessed", "the tape does not watch the variable")
+
+
+def test_record_variable_read():
+  v = tf.Variable([1.0, 2.0])
+  value = tf.constant([1.0, 2.0])  # Stands for a value of v read earlier.
+  with tf.GradientTape() as tape:
+    tape.watch(v)
+    use = tf.identity(value)
+    _tf_internal.record_variable_read(v, use)
+    loss = tf.reduce_sum(use * use)
+  grad = tape.gradient(loss, v)
+  assert grad is not None and np.allclose(grad, [2.0, 4.0]), _broke(
+      "record_variable_read", f"eager gradient {grad}")
+
+  @tf.function
+  def jvp():  # Forward accumulators in a graph watch the handle's capture.
+    earlier = tf.identity(v.read_value())
+    with tf.autodiff.ForwardAccumulator(v, tf.ones([2])) as acc:
+      use = tf.identity(earlier)
+      _tf_internal.record_variable_read(v, use)
+      y = tf.reduce_sum(use * use)
+    return acc.jvp(y)
+
+  tangent = jvp()
+  assert tangent is not None and np.allclose(tangent, 6.0), _broke(
+      "record_variable_read", f"forward-mode tangent in a graph {tangent}")

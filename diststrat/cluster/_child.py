@@ -13,6 +13,10 @@ where FD is its end of a socket pair, and sends one job (a dict) over it:
 Every child exits when its parent dies (it watches its parent process id), so no
 process outlives the cluster, and ends with `os._exit` so that a step thread still
 blocked in TensorFlow cannot hold the exit up.
+
+A worker job with "cpus" (`LocalCluster(cpus_per_worker=N)`) splits the process's CPU
+into N logical devices before anything else can initialize TensorFlow, so tests and
+benchmarks run several towers per worker process on a machine without GPUs.
 """
 
 import faulthandler
@@ -89,6 +93,14 @@ def _serve_ps(conn, job):
   return server  # Referenced until here: deleting the Server object stops it.
 
 
+def _split_cpu(count):
+  """Splits the CPU into `count` logical devices (before TensorFlow initializes)."""
+  if count and not tf.config.list_physical_devices("GPU"):
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration()] * count)
+
+
 def _error_payload(error):
   text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
   try:
@@ -101,14 +113,11 @@ def _error_payload(error):
 
 def _run_worker(conn, job):
   try:
+    _split_cpu(job.get("cpus"))  # Before the user's modules load: they may use TensorFlow.
     if job.get("main_path"):
       _load_main(job["main_path"])
     fn = pickle.loads(job["fn"])
     kwargs = pickle.loads(job["kwargs"])
-    if job.get("cpus") and not tf.config.list_physical_devices("GPU"):
-      tf.config.set_logical_device_configuration(
-          tf.config.list_physical_devices("CPU")[0],
-          [tf.config.LogicalDeviceConfiguration()] * job["cpus"])
     strategy = _STRATEGIES[job.get("strategy", "parameter_server")](
         cluster_spec=job["cluster_spec"], task_type=job["task_type"],
         task_id=job["task_id"], **job["strategy_kwargs"])

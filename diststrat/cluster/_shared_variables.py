@@ -20,7 +20,9 @@ How one is made (`create_shared_variable`):
 3. Every operation on the variable runs on its PS device (an explicit device scope around
    reads, assigns and scatters: `_tf_internal.RESOURCE_METHODS`), where TensorFlow
    enqueues eager remote ops asynchronously instead of wrapping each in a synchronous
-   function call.
+   function call. The exception: a dense read in a tower of a `call_for_each_tower`
+   that caches reads is served by that call's `ReadCache` (cluster/_read_cache.py),
+   and every write drops the variable from the open caches.
 
 Shared names must be the same in every worker process and unique: `SharedNames` gives
 the n-th variable that asks for the name `x` the name `x`, `x_1`, ... in creation
@@ -34,6 +36,7 @@ import time
 
 from diststrat._tf import tf
 from diststrat import _tf_internal
+from diststrat.cluster import _read_cache
 
 INIT_LOCK_NAME = "diststrat/init_lock"
 """Shared name of the mutex on each PS task that makes create-if-missing atomic."""
@@ -95,6 +98,22 @@ class SharedVariable(_tf_internal.ResourceVariableFromHandle):
     """The name by which every worker process finds this variable on its PS task."""
     return self._diststrat_shared_name
 
+  def _check_healthy(self, method):
+    """Eagerly, raises `ClusterError` once the connection has seen a task fail."""
+    if self._guard is not None and tf.executing_eagerly():
+      self._guard.check_healthy(f"{method.lstrip('_')}() of variable {self.shared_name!r}")
+
+  def _uncached_read(self):
+    """The variable's value, read on its PS device (never from a read cache)."""
+    return _run_on_ps(self, "_read_variable_op", _READ_ON_DEVICE, (), {})
+
+  def batch_scatter_update(self, sparse_delta, use_locking=False, name=None):
+    # TensorFlow writes the handle directly (no wrapped method), so drop cached reads.
+    try:
+      return super().batch_scatter_update(sparse_delta, use_locking=use_locking, name=name)
+    finally:
+      _read_cache.invalidate(self)
+
 
 # Eager writes run as these ops, called in a small tf.function (see _on_variable_device).
 _ASSIGN_OPS = {"assign": "AssignVariableOp", "assign_add": "AssignAddVariableOp",
@@ -105,8 +124,40 @@ _SCATTER_ND_OPS = {f"scatter_nd_{kind}": f"ResourceScatterNd{kind.capitalize()}"
                    for kind in ("sub", "add", "update", "max", "min")}
 
 
+_WRITE_METHODS = frozenset(
+    [*_ASSIGN_OPS, *_SCATTER_OPS, *_SCATTER_ND_OPS, "_strided_slice_assign"])
+"""The methods of `_tf_internal.RESOURCE_METHODS` that write the variable."""
+
+
 def _on_variable_device(name, method):
-  """`method` run under the variable's PS device; reads get the variable's static shape.
+  """`method` with the variable's read cache in front and its PS device around it.
+
+  A read in a tower of a `call_for_each_tower` that caches reads is served by that
+  call's `ReadCache` (cluster/_read_cache.py), before any PS device scope, so that the
+  use is made on the tower's device; a write drops the variable from every open cache.
+  Everything else runs under the PS device (`_run_on_ps`).
+  """
+  if name in _tf_internal.READ_METHODS:
+    def wrapper(self, *args, **kwargs):
+      cache = _read_cache.active_cache()
+      if cache is not None and cache.applies_to(self):
+        self._check_healthy(name)  # pylint: disable=protected-access
+        return cache.read(self, self._uncached_read)  # pylint: disable=protected-access
+      return _run_on_ps(self, name, method, args, kwargs)
+  elif name in _WRITE_METHODS:
+    def wrapper(self, *args, **kwargs):
+      try:
+        return _run_on_ps(self, name, method, args, kwargs)
+      finally:
+        _read_cache.invalidate(self)
+  else:
+    def wrapper(self, *args, **kwargs):
+      return _run_on_ps(self, name, method, args, kwargs)
+  return wrapper
+
+
+def _run_on_ps(variable, name, method, args, kwargs):
+  """`method(variable, ...)` run under the variable's PS device; reads get its shape.
 
   The local copy of a remote handle carries no shape, so inside a graph a read would
   have unknown rank (Keras layers then fail); the variable knows its shape.
@@ -118,21 +169,19 @@ def _on_variable_device(name, method):
   GIL: once the connection has seen a failure, every eager method raises `ClusterError`
   at once, until `reconnect()`.
   """
-  sets_shape = name in _tf_internal.READ_METHODS
-
-  def wrapper(self, *args, **kwargs):
-    if self._guard is not None and tf.executing_eagerly():  # pylint: disable=protected-access
-      self._guard.check_healthy(f"{name.lstrip('_')}() of variable {self.shared_name!r}")  # pylint: disable=protected-access
-      if name in _ASSIGN_OPS or name in _SCATTER_OPS or name in _SCATTER_ND_OPS:
-        return _eager_write(self, name, *args, **kwargs)
-    with tf.device(self._ps_device):  # pylint: disable=protected-access
-      result = method(self, *args, **kwargs)
-    if sets_shape and isinstance(result, tf.Tensor) and not tf.executing_eagerly():
-      result.set_shape(self.shape)
-    return result
-  return wrapper
+  variable._check_healthy(name)  # pylint: disable=protected-access
+  if variable._guard is not None and tf.executing_eagerly():  # pylint: disable=protected-access
+    if name in _ASSIGN_OPS or name in _SCATTER_OPS or name in _SCATTER_ND_OPS:
+      return _eager_write(variable, name, *args, **kwargs)
+  with tf.device(variable.device):
+    result = method(variable, *args, **kwargs)
+  if (name in _tf_internal.READ_METHODS and isinstance(result, tf.Tensor)
+      and not tf.executing_eagerly()):
+    result.set_shape(variable.shape)
+  return result
 
 
+_READ_ON_DEVICE = _tf_internal.ResourceVariableFromHandle._read_variable_op  # Unwrapped.
 _tf_internal.wrap_resource_methods(SharedVariable, _on_variable_device)
 
 

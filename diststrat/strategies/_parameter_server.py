@@ -2,6 +2,7 @@
 
 import contextlib
 import itertools
+import numbers
 
 from diststrat._tf import tf
 from diststrat import _arguments
@@ -11,6 +12,7 @@ from diststrat import cross_tower_ops
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
 from diststrat.cluster import _connection
+from diststrat.cluster import _read_cache
 from diststrat.strategies import _tower_threads
 from diststrat.values import _wrapped
 
@@ -18,6 +20,26 @@ _POLICIES = ("least_loaded", "round_robin")
 
 DEFAULT_STEP_TIMEOUT = 300.0
 """Seconds a cluster step (`run_step`, connecting, creating a variable) may take."""
+
+
+def _check_cache_reads(value, in_cluster):
+  if not isinstance(value, bool):
+    raise ValueError(f"cache_reads must be True, False or None (the default: True in "
+                     f"cluster mode). Received: cache_reads={value!r}")
+  if value and not in_cluster:
+    raise ValueError(
+        "cache_reads=True applies to cluster mode only: in one process the variables "
+        "are plain tf.Variables on local devices, read where they are used. "
+        "Received: cache_reads=True without cluster_spec. Pass cluster_spec to run as "
+        "a worker of a cluster, or leave cache_reads unset.")
+
+
+def _check_max_bytes(value):
+  if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                            or value <= 0):
+    raise ValueError("cache_reads_max_bytes must be a positive number of bytes, or None "
+                     f"for no limit. Received: cache_reads_max_bytes={value!r}")
+  return None if value is None else int(value)
 
 
 class VariablePlacer:
@@ -81,7 +103,8 @@ class ParameterServerStrategy(DistributionStrategy):
   and are shared by name with every other worker process (a variable that already
   exists keeps its value), and towers run on this task's GPUs, else its CPU. Run each
   training step with `run_step`: a dead or frozen PS task then raises `ClusterError`
-  naming it within `step_timeout`. See docs/parameter_server.md.
+  naming it within `step_timeout`. Each `call_for_each_tower` reads each PS variable over
+  the network once, not once per use (`cache_reads`). See docs/parameter_server.md.
 
   Args:
     worker_devices: where towers run. Default: the local GPUs, else the local CPU
@@ -98,6 +121,13 @@ class ParameterServerStrategy(DistributionStrategy):
     step_timeout: cluster mode: seconds a step run by `run_step` (or connecting, or
       creating a variable) may take before it is abandoned with `ClusterError`; None
       for no limit. Settable later as `strategy.step_timeout`.
+    cache_reads: cluster mode: whether a `call_for_each_tower` reads each PS variable
+      once, onto this worker's CPU, and serves every use in its towers from that value
+      (until a `merge_call` or a write to the variable; see docs/parameter_server.md).
+      None (the default) means True in cluster mode and False in one process, where
+      caching does not apply. Settable later as `strategy.cache_reads`.
+    cache_reads_max_bytes: variables larger than this many bytes are not cached but
+      read where they are used; None for no limit.
 
   Example:
     >>> import diststrat as ds, tensorflow as tf
@@ -120,9 +150,16 @@ class ParameterServerStrategy(DistributionStrategy):
   def __init__(self, worker_devices=None, ps_devices=None, cluster_spec=None,
                task_type="worker", task_id=0, variable_placement="least_loaded",
                tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT,
-               step_timeout=DEFAULT_STEP_TIMEOUT):
+               step_timeout=DEFAULT_STEP_TIMEOUT, cache_reads=None,
+               cache_reads_max_bytes=_read_cache.DEFAULT_MAX_BYTES):
     super().__init__()
     step_timeout = _arguments.seconds("step_timeout", step_timeout)
+    if cache_reads is None:
+      cache_reads = cluster_spec is not None
+    _check_cache_reads(cache_reads, in_cluster=cluster_spec is not None)
+    self._cache_reads = cache_reads
+    self._cache_reads_max_bytes = _check_max_bytes(cache_reads_max_bytes)
+    self._last_read_cache_stats = None
     self._cluster_spec = cluster_spec
     self._task_type = task_type
     self._task_id = task_id
@@ -187,6 +224,34 @@ class ParameterServerStrategy(DistributionStrategy):
   @property
   def task_id(self):
     return self._task_id
+
+  @property
+  def cache_reads(self):
+    """Whether each `call_for_each_tower` reads each PS variable once (cluster mode).
+
+    Settable; a `tf.function` traced before keeps the reads it traced.
+    """
+    return self._cache_reads
+
+  @cache_reads.setter
+  def cache_reads(self, value):
+    if value is None:
+      value = self._cluster is not None
+    _check_cache_reads(value, in_cluster=self._cluster is not None)
+    self._cache_reads = value
+
+  @property
+  def last_read_cache_stats(self):
+    """What the read cache of the last `call_for_each_tower` did, for debugging.
+
+    A dict: `fills` (variables read from a PS), `hits` (uses served from a value read
+    before), `invalidations` (values dropped by `merge_call`s and writes),
+    `too_large` (reads of variables over `cache_reads_max_bytes`, or not numeric) and
+    `other_graph` (reads in a nested graph or under `tf.init_scope`), counted while the
+    towers run: per call eagerly, per trace in a `tf.function`. None when the last call
+    did not cache reads.
+    """
+    return None if self._last_read_cache_stats is None else dict(self._last_read_cache_stats)
 
   @property
   def step_timeout(self):
@@ -321,9 +386,24 @@ class ParameterServerStrategy(DistributionStrategy):
   def _call_for_each_tower(self, fn, args, kwargs):
     return self._guarded("call_for_each_tower()", self._run_towers, fn, args, kwargs)
 
+  def _new_read_cache(self):
+    """The `ReadCache` of one `call_for_each_tower` call, or None if reads are not cached."""
+    if not self._cache_reads:
+      return None
+    return _read_cache.ReadCache(f"{self._cluster.local_task}/device:CPU:0",
+                                 self._cache_reads_max_bytes)
+
   def _run_towers(self, fn, args, kwargs):
-    runner = _tower_threads.TowerRunner(self, self._worker_devices_tuple, self._tower_timeout)
-    return _wrapped.regroup(runner.run(fn, args, kwargs), self._worker_devices_tuple)
+    cache = self._new_read_cache()
+    runner = _tower_threads.TowerRunner(self, self._worker_devices_tuple, self._tower_timeout,
+                                        step_cache=cache)
+    try:
+      results = runner.run(fn, args, kwargs)
+    finally:
+      if cache is not None:
+        cache.close()
+      self._last_read_cache_stats = None if cache is None else cache.stats
+    return _wrapped.regroup(results, self._worker_devices_tuple)
 
   # In cluster mode, each cross-tower operation called eagerly is bounded by step_timeout
   # and reports a dead or frozen PS task as ClusterError (see _guarded).

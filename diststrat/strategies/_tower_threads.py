@@ -60,6 +60,11 @@ class ThreadedTowerContext(_context.TowerContext):
     super().__init__(strategy, tower_id, num_towers, device)
     self._tower = tower
 
+  @property
+  def step_cache(self):
+    """The `step_cache` of this tower's `TowerRunner` (None when it has none)."""
+    return self._tower.runner.step_cache
+
   def _merge_call(self, merge_fn, args, kwargs):
     return self._tower.pause_for_merge(merge_fn, args, kwargs)
 
@@ -155,17 +160,29 @@ class _Tower:
 
 
 class TowerRunner:
-  """Runs `fn` once per device in tower threads; see the module docstring."""
+  """Runs `fn` once per device in tower threads; see the module docstring.
+
+  Args:
+    strategy: the strategy whose towers these are.
+    devices: one tower per device.
+    timeout: seconds a tower may run between two pauses.
+    first_tower_id, num_towers: the towers on `devices` have ids `first_tower_id`, ...
+      out of `num_towers` (default: one per device): a strategy over several processes
+      numbers its towers globally.
+    step_cache: optional state that lives for this one call, such as a strategy's
+      cache of values read in the towers: the towers reach it as their tower context's
+      `step_cache`, and its `invalidate_all()` is called after every `merge_fn` (cross-
+      tower code may have changed anything).
+  """
 
   def __init__(self, strategy, devices, timeout=DEFAULT_TOWER_TIMEOUT, first_tower_id=0,
-               num_towers=None):
-    """Towers on `devices` have ids `first_tower_id`, ... out of `num_towers` (default:
-    one per device): a strategy over several processes numbers its towers globally."""
+               num_towers=None, step_cache=None):
     self.strategy = strategy
     self.devices = tuple(devices)
     self.timeout = timeout
     self.first_tower_id = first_tower_id
     self.num_towers = len(self.devices) if num_towers is None else num_towers
+    self.step_cache = step_cache
     self.captured = None
     self.shared_variables = []  # (requested name, variable) created by tower 0, in order.
 
@@ -255,6 +272,9 @@ class TowerRunner:
                          f"called by towers 0-{len(towers) - 1} of {self.strategy!r})")
           _tf_internal.pass_through_autograph(e)
         raise
+      finally:
+        if self.step_cache is not None:
+          self.step_cache.invalidate_all()
     for tower in towers:
       tower.merge_result = _wrapped.select_device(tower.device, result)
 
