@@ -74,29 +74,48 @@ class PerDeviceIterator:
       raise TypeError("distribute_dataset() splits dense tensors along their first axis; "
                       f"got a {type(batch).__name__}. Convert it to a dense tensor in the "
                       "dataset (for example with .map()).")
-    n = len(self._devices)
-    static = batch.shape[0] if batch.shape.rank else None
-    if batch.shape.rank == 0:
-      raise ValueError("distribute_dataset() needs batched elements (a first axis to split); "
-                       "got a scalar. Batch the dataset with .batch(global_batch_size).")
-    if static is not None:
-      sizes = split_sizes(static, n)
-    else:
-      size = tf.shape(batch, out_type=tf.int64)[0]
-      checks = [tf.debugging.assert_greater_equal(
-          size, tf.constant(n, tf.int64),
-          message=f"A batch with fewer examples than the {n} towers cannot be split "
-                  "across them; use a global batch size >= the number of towers.")]
-      with tf.control_dependencies(checks):
-        base = size // n
-        extra = size % n
-        sizes = base + tf.cast(tf.range(n, dtype=tf.int64) < extra, tf.int64)
-    parts = tf.split(batch, sizes, num=n, axis=0)
-    placed = {}
-    for device, part in zip(self._devices, parts):
-      with tf.device(device):
-        placed[device] = tf.identity(part)
-    return _wrapped.PerDevice(placed)
+    return split_batch(batch, self._devices)
+
+
+def split_batch(batch, devices, allow_empty=False):
+  """`batch` split along its first axis into one part per device, as `BatchParts`.
+
+  Sizes are as even as possible, the larger parts first; part i is placed on
+  `devices[i]`. Works on static and dynamic batch sizes (eager and in `tf.function`).
+
+  Args:
+    batch: a tensor with a first (batch) axis.
+    devices: the towers' devices, in tower order.
+    allow_empty: let towers get no example when the batch is smaller than the number
+      of devices (Keras's `predict` on a short last batch); else that raises.
+
+  Raises:
+    ValueError: `batch` is a scalar, or (unless `allow_empty`) has fewer examples than
+      devices.
+  """
+  n = len(devices)
+  if batch.shape.rank == 0:
+    raise ValueError("distribute_dataset() needs batched elements (a first axis to split); "
+                     "got a scalar. Batch the dataset with .batch(global_batch_size).")
+  static = batch.shape[0] if batch.shape.rank else None
+  if static is not None and (static >= n or not allow_empty):
+    sizes = split_sizes(static, n)
+  else:
+    size = tf.shape(batch, out_type=tf.int64)[0]
+    checks = [] if allow_empty else [tf.debugging.assert_greater_equal(
+        size, tf.constant(n, tf.int64),
+        message=f"A batch with fewer examples than the {n} towers cannot be split "
+                "across them; use a global batch size >= the number of towers.")]
+    with tf.control_dependencies(checks):
+      base = size // n
+      extra = size % n
+      sizes = base + tf.cast(tf.range(n, dtype=tf.int64) < extra, tf.int64)
+  parts = tf.split(batch, sizes, num=n, axis=0)
+  placed = {}
+  for device, part in zip(devices, parts):
+    with tf.device(device):
+      placed[device] = tf.identity(part)
+  return _wrapped.BatchParts(placed)
 
 
 def split_sizes(batch_size, num_towers):

@@ -17,8 +17,10 @@ once; the thread is left to finish in the background (it unwinds at its next
 """
 
 import contextlib
+import inspect
 import logging
 import threading
+import types
 
 from diststrat._tf import tf
 from diststrat import _context
@@ -56,8 +58,8 @@ class _Aborted(BaseException):
 class ThreadedTowerContext(_context.TowerContext):
   """The `TowerContext` of a tower run in its own thread: `merge_call` pauses it."""
 
-  def __init__(self, tower, strategy, tower_id, num_towers, device):
-    super().__init__(strategy, tower_id, num_towers, device)
+  def __init__(self, tower, strategy, tower_id, num_towers, device, batch_share=None):
+    super().__init__(strategy, tower_id, num_towers, device, batch_share)
     self._tower = tower
 
   def _merge_call(self, merge_fn, args, kwargs):
@@ -67,10 +69,11 @@ class ThreadedTowerContext(_context.TowerContext):
 class _Tower:
   """One tower's thread and the hand-over state between it and the calling thread."""
 
-  def __init__(self, runner, tower_id, device, fn, args, kwargs):
+  def __init__(self, runner, tower_id, device, fn, args, kwargs, batch_share=None):
     self.runner = runner
     self.tower_id = tower_id
     self.device = device
+    self.batch_share = batch_share
     self._fn, self._args, self._kwargs = fn, args, kwargs
     self.go = threading.Event()      # caller -> tower: run until the next pause
     self.paused = threading.Event()  # tower -> caller: at merge_call, or finished
@@ -99,7 +102,8 @@ class _Tower:
     try:
       self._wait_for_go()
       context = ThreadedTowerContext(self, self.runner.strategy, self.tower_id,
-                                     len(self.runner.devices), self.device)
+                                     len(self.runner.devices), self.device,
+                                     self.batch_share)
       with self.runner.captured.enter(device=self.device), \
           self.runner.strategy._tower_scope(context):  # pylint: disable=protected-access
         self.result = self._fn(*self._args, **self._kwargs)
@@ -166,8 +170,9 @@ class TowerRunner:
     self.captured = _context.ThreadState()
     if not self.captured.eager:
       fn = _autograph(fn)
+    shares = _wrapped.batch_shares((args, kwargs)) or {}
     towers = [_Tower(self, i, d, fn, _wrapped.select_device(d, args),
-                     _wrapped.select_device(d, kwargs))
+                     _wrapped.select_device(d, kwargs), shares.get(d))
               for i, d in enumerate(self.devices)]
     for tower in towers:
       tower.thread.start()
@@ -254,7 +259,7 @@ class TowerRunner:
     groups = []  # [(merge_fn, [tower ids])], by sameness
     for tower in towers:
       for fn, ids in groups:
-        if _same_function(fn, tower.merge_fn):
+        if _context.same_merge_fn(fn, tower.merge_fn):
           ids.append(tower.tower_id)
           break
       else:
@@ -272,22 +277,6 @@ class TowerRunner:
       tower.go.set()
 
 
-def _same_function(a, b):
-  """Whether two merge_fns are the same function: equal, or closures of one `def`.
-
-  Each tower runs the same code, so a function defined inside the tower function is a
-  new object in every tower; it is still the same function if its code is.
-  """
-  if a is b or a == b:
-    return True
-  self_a, self_b = getattr(a, "__self__", None), getattr(b, "__self__", None)
-  if self_a is not self_b:
-    return False
-  code_a = getattr(getattr(a, "__func__", a), "__code__", None)
-  code_b = getattr(getattr(b, "__func__", b), "__code__", None)
-  return code_a is not None and code_a is code_b
-
-
 def _describe_fn(fn):
   """A function's name, the same whether or not AutoGraph converted it."""
   name = getattr(fn, "__name__", None) or type(fn).__name__
@@ -303,6 +292,9 @@ def _autograph(fn):
   """
   if getattr(fn, "autograph_info__", None) is not None or not callable(fn):
     return fn
+  if inspect.ismethod(fn):  # AutoGraph converts the function; bind it again.
+    converted = _autograph(fn.__func__)
+    return fn if converted is fn.__func__ else types.MethodType(converted, fn.__self__)
   try:
     return tf.autograph.to_graph(fn)
   except Exception:  # pylint: disable=broad-except
