@@ -147,14 +147,15 @@ class DistributionStrategy:
       with each leaf reduced.
 
     Example:
-      >>> import diststrat as ds
+      >>> import diststrat as ds, tensorflow as tf
       >>> s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+      >>> def tower_fn():
+      ...   tower_id = tf.constant(float(ds.get_tower_context().tower_id))
+      ...   return {"n": tf.ones([]), "ids": [tower_id, 10.0 * tower_id]}
       >>> with s.scope():
-      ...   out = s.call_for_each_tower(
-      ...       lambda: {"n": 1.0, "id": float(ds.get_tower_context().tower_id)})
-      ...   total = s.reduce("sum", out)
-      >>> sorted(total), float(total["id"].primary), float(total["n"].primary)
-      (['id', 'n'], 1.0, 2.0)
+      ...   total = s.reduce("sum", s.call_for_each_tower(tower_fn))
+      >>> float(total["n"].primary), [float(v.primary) for v in total["ids"]]
+      (2.0, [1.0, 10.0])
     """
     aggregation = canonical_aggregation(aggregation)
     destinations = self._resolve_destinations(destinations)
@@ -269,6 +270,7 @@ class DistributionStrategy:
     """Concatenates the towers' values along `axis`, in tower order.
 
     The result lives on the first worker device, or is mirrored to `destinations`.
+    Scalars, which have no axis to concatenate, are stacked into a vector.
     `value` may be a dict, list, tuple or namedtuple of per-tower values (nested to any
     depth): each leaf is gathered, and the result has the same structure.
     """
@@ -474,7 +476,11 @@ class DistributionStrategy:
       gathered = components[0]
     else:
       with tf.device(self._worker_devices()[0]):
-        gathered = tf.concat(components, axis=axis)
+        if all(getattr(c, "shape", None) is not None and c.shape.rank == 0
+               for c in components):
+          gathered = tf.stack(components)
+        else:
+          gathered = tf.concat(components, axis=axis)
     if destinations is None:
       return gathered
     return self._broadcast(gathered, destinations)
