@@ -223,9 +223,6 @@ class ExtendedAdapter:
     # tower's copies), as under tf.distribute.
     return self._ds.num_towers > 1
 
-  def _in_multi_worker_mode(self):
-    return False  # run() gathers predictions itself; Keras's multi-worker path is not used.
-
   def value_container(self, value):
     return value  # What a tower's tape watches: the variable read, as diststrat does.
 
@@ -387,15 +384,23 @@ class StrategyAdapter:
       return
     foreign = [v.path for v in model.variables
                if _variables.created_by(as_tf_variable(v)) is not self._ds]
-    if not foreign and model.variables:
-      model.__dict__["_diststrat_checked"] = self
-    elif foreign:
+    if foreign:
       raise errors.ContextError(
-          f"The Keras model {model.name!r} runs under {self._ds!r}, but {len(foreign)} of "
-          f"its variables were not created in that strategy's scope. Received: variables "
-          f"{foreign[:3]}{' ...' if len(foreign) > 3 else ''}. Build and compile the model "
-          "inside `with strategy.scope():` so that its variables are distributed, or train "
+          f"The Keras model {model.name!r} runs under {self._ds!r}, so its variables must "
+          f"be that strategy's. Received: {len(foreign)} variables created outside its "
+          f"scope, such as {foreign[:3]}. Build and compile the model inside "
+          "`with strategy.scope():` so that its variables are distributed, or train "
           "it outside any strategy.")
+    optimizer = getattr(model, "optimizer", None)
+    captured = _tf_internal.keras_optimizer_strategy(optimizer)
+    if captured is not None and captured is not self:
+      raise errors.ContextError(
+          f"The Keras model {model.name!r} runs under {self._ds!r}, so its optimizer must "
+          "be created in that strategy's scope. Received: an optimizer created outside it "
+          f"({type(optimizer).__name__}). Create the optimizer and compile the model inside "
+          "`with strategy.scope():`.")
+    if model.variables:
+      model.__dict__["_diststrat_checked"] = self
 
   def _combine(self, fn, outputs):
     model = getattr(fn, "__self__", None)

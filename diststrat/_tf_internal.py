@@ -28,7 +28,8 @@ Reaches, by what needs them:
   hook in TensorFlow's error path can give them diststrat's type
   (`install_error_translator`).
 - Keras 3 variables hold their TensorFlow variable in `_value`
-  (`keras_backing_variable`).
+  (`keras_backing_variable`), and a Keras optimizer keeps the tf.distribute strategy it
+  was created under in `_distribution_strategy` (`keras_optimizer_strategy`).
 - Keras 3 and TensorFlow learn about a distribution strategy only from TensorFlow's
   per-thread distribution-mode stack, which has no public setter: diststrat puts an entry
   there while one of its contexts is current (`tf_distribution_mode`), so
@@ -59,9 +60,9 @@ defined where the objects are; their names are listed here and tested:
   Keras's `model.export`) writes a variable into a SavedModel (values/_variables.py).
 - `_distributed_container`: how a Keras optimizer finds the variable that owns the copy
   it updates, to find that variable's slots (values/_variables.py).
-- `_use_merge_call`, `_retrace_functions_for_each_device`, `_in_multi_worker_mode`: what
-  TensorFlow and Keras ask `tf.distribute.get_strategy().extended` besides its public
-  methods (diststrat/_tf_distribute_bridge.py).
+- `_use_merge_call`, `_retrace_functions_for_each_device`: what TensorFlow asks
+  `tf.distribute.get_strategy().extended` besides its public methods
+  (diststrat/_tf_distribute_bridge.py).
 """
 
 import contextlib
@@ -88,8 +89,7 @@ PROTOCOLS = {
     "optimizer slots": ("_create_or_restore_slot_variable",),
     "SavedModel": ("_export_to_saved_model_graph", "_write_object_proto"),
     "Keras optimizer slots": ("_distributed_container",),
-    "tf.distribute bridge": ("_use_merge_call", "_retrace_functions_for_each_device",
-                             "_in_multi_worker_mode"),
+    "tf.distribute bridge": ("_use_merge_call", "_retrace_functions_for_each_device"),
 }
 """The private method names TensorFlow calls on diststrat's objects, by purpose."""
 
@@ -425,6 +425,15 @@ def keras_backing_variable(value):
     if isinstance(inner, tf.Variable):
       return inner
   return None
+
+
+def keras_optimizer_strategy(optimizer):
+  """The `tf.distribute` strategy a Keras 3 optimizer captured when created, or None.
+
+  Keras's TensorFlow optimizer applies its updates through that strategy, and has no
+  public accessor for it.
+  """
+  return getattr(optimizer, "_distribution_strategy", None)
 
 
 # Where Keras 3 (TensorFlow backend) makes the tf.Variable behind a `keras.Variable`, and
