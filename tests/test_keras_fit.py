@@ -86,7 +86,7 @@ def _fit_evaluate_predict(model, data, path, batch=24, in_scope=None):
     fit = lambda: model.fit(x, y, batch_size=batch, shuffle=False, **fit_kwargs)
   else:
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
-    fit = lambda: model.fit(dataset, **fit_kwargs)
+    fit = lambda: model.fit(dataset, shuffle=False, **fit_kwargs)
   with in_scope.scope() if in_scope is not None else _nothing():
     history = fit().history
   return (history, model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True),
