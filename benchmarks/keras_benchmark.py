@@ -39,7 +39,8 @@ flags.DEFINE_string("out", "benchmarks/results/keras.json", "Where to write the 
 flags.DEFINE_bool("quick", False, "A short smoke run (the MLP only, 2 rounds).")
 flags.DEFINE_integer("rounds", None, "Timed blocks per contender (default 7; 2 with --quick).")
 flags.DEFINE_integer("steps", None, "Training steps per timed block (default 20; 5 with --quick).")
-flags.DEFINE_integer("towers", 4, "Devices (logical CPU devices without a GPU).", lower_bound=1)
+flags.DEFINE_integer("num_devices", 4, "Towers: logical CPU devices, or the GPUs if any.",
+                     lower_bound=1)
 flags.DEFINE_string("group", None, "Internal: run one model's contenders in this process.")
 FLAGS = flags.FLAGS
 
@@ -65,7 +66,7 @@ def make_model(kind):
   if kind == "mlp":
     layers = [keras.Input((784,)), keras.layers.Dense(1024, activation="relu"),
               keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(10)]
-  else:  # The demo's CNN (diststrat/demo.py).
+  else:  # The demo's CNN (diststrat/demo.py; importing it defines the demo's flags too).
     from diststrat import demo  # pylint: disable=g-import-not-at-top
     return demo.make_model()
   return keras.Sequential(layers)
@@ -201,7 +202,7 @@ def run_group(kind, towers, rounds, steps):
 
 def run_in_subprocess(kind, args, rounds, steps):
   cmd = [sys.executable, os.path.abspath(__file__), "--group", kind, "--rounds", str(rounds),
-         "--steps", str(steps), "--towers", str(args.towers)]
+         "--steps", str(steps), "--num_devices", str(args.num_devices)]
   out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
   if out.returncode != 0:
     raise RuntimeError(f"benchmark group {kind} failed:\n{out.stderr[-3000:]}")
@@ -231,7 +232,7 @@ def main(argv):
   rounds = args.rounds or (2 if args.quick else 7)
   steps = args.steps or (5 if args.quick else 20)
   if args.group:
-    print(json.dumps(run_group(args.group, args.towers, rounds, steps)))
+    print(json.dumps(run_group(args.group, args.num_devices, rounds, steps)))
     return
   report = {"tensorflow": tf.__version__, "rounds": rounds, "steps_per_block": steps,
             "command": " ".join(sys.argv), "results": []}
