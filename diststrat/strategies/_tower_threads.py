@@ -63,6 +63,15 @@ class ThreadedTowerContext(_context.TowerContext):
     self._tower = tower
 
   def _merge_call(self, merge_fn, args, kwargs):
+    if self._tower.tracing_its_own_graph():
+      raise errors.ContextError(
+          f"merge_call() was called in tower {self.tower_id} of {self.distribution_strategy!r} "
+          "while the tower was tracing a tf.function (or a tf.cond/tf.while_loop branch) "
+          "of its own, which cannot merge with the other towers: they would wait for that "
+          "trace to finish, and it waits for them. Received: a merge_call inside a graph "
+          "the tower started building. Put the tf.function around call_for_each_tower "
+          "(trace the whole step), or keep merge_call, apply_gradients and synchronized "
+          "layers out of tf.functions and control flow inside the tower function.")
     return self._tower.pause_for_merge(merge_fn, args, kwargs)
 
 
@@ -115,6 +124,16 @@ class _Tower:
       self.done = True
       self.running = False
       self.paused.set()
+
+  def tracing_its_own_graph(self):
+    """True while this tower builds a graph other than the one it started in.
+
+    Inside a `tf.init_scope` (eager again) is not: nothing is being traced there.
+    """
+    if tf.executing_eagerly():
+      return False
+    return self.runner.captured.eager or (
+        tf.compat.v1.get_default_graph() is not self.runner.captured.graph)
 
   def shared_variable(self, kwargs, create):
     """Tower 0 creates each variable (with `create()`); tower i's n-th gets tower 0's n-th.
