@@ -161,14 +161,21 @@ def _keras_custom_loop(strategy, make_optimizer, mode, batch=32):
     grads = tape.gradient(loss, model.trainable_variables)
     return optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
-  step = _in_mode(lambda xb, yb: strategy.call_for_each_tower(tower_fn, xb, yb), mode)
+  returned = _run_steps(strategy, tower_fn, mode, (x, y), batch,
+                        lambda: assert_copies_equal(model.weights + optimizer.variables))
+  return model, optimizer, returned
+
+
+def _run_steps(strategy, tower_fn, mode, data, batch, after_step=None):
+  """Runs `tower_fn` in every tower on each global batch of `data`; returns each result."""
+  step = _in_mode(lambda *parts: strategy.call_for_each_tower(tower_fn, *parts), mode)
   returned = []
   with strategy.scope():
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
-    for xb, yb in _batches(strategy, data):
-      returned.append(_read_now(step(xb, yb)))
-      assert_copies_equal(model.weights + optimizer.variables)
-  return model, optimizer, returned
+    for parts in _batches(strategy, tf.data.Dataset.from_tensor_slices(data).batch(batch)):
+      returned.append(_read_now(step(*parts)))
+      if after_step is not None:
+        after_step()
+  return returned
 
 
 def _read_now(value):
@@ -221,13 +228,7 @@ def _ds_custom_loop(strategy, mode, batch, global_step=False):
     return optimizer.minimize(loss, var_list=model.trainable_variables,
                               global_step=step_counter)
 
-  step = _in_mode(lambda xb, yb: strategy.call_for_each_tower(tower_fn, xb, yb), mode)
-  returned = []
-  with strategy.scope():
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
-    for xb, yb in _batches(strategy, data):
-      returned.append(_read_now(step(xb, yb)))
-  return model, returned
+  return model, _run_steps(strategy, tower_fn, mode, (x, y), batch)
 
 
 @pytest.mark.parametrize("mode", MODES)
