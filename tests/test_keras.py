@@ -251,6 +251,54 @@ def test_ds_apply_gradients_result_is_returned_by_a_tf_function(name, global_ste
     assert returned == [None] * OPT_STEPS
 
 
+# --- layers that already worked keep working (Conv2D, Embedding + LSTM/GRU, attention) ---
+
+
+def _layer_model(kind):
+  keras.utils.set_random_seed(5)
+  if kind == "conv":
+    layers = [keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3, activation="relu"),
+              keras.layers.Flatten(), keras.layers.Dense(1)]
+  elif kind in ("lstm", "gru"):
+    rnn = keras.layers.LSTM(5) if kind == "lstm" else keras.layers.GRU(5)
+    layers = [keras.Input((7,), dtype="int32"), keras.layers.Embedding(11, 4), rnn,
+              keras.layers.Dense(1)]
+  else:
+    inputs = keras.Input((5, 4))
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3)(inputs, inputs)
+    outputs = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(attended))
+    return keras.Model(inputs, outputs)
+  return keras.Sequential(layers)
+
+
+def _layer_data(kind, batch=16, steps=3):
+  rng = np.random.default_rng(2)
+  shape = {"conv": (6, 6, 2), "lstm": (7,), "gru": (7,), "attention": (5, 4)}[kind]
+  x = rng.integers(0, 11, (steps * batch,) + shape).astype(np.int32) if kind in (
+      "lstm", "gru") else rng.normal(size=(steps * batch,) + shape).astype(np.float32)
+  return x, rng.normal(size=(steps * batch, 1)).astype(np.float32)
+
+
+def _train_layer_model(strategy, kind):
+  x, y = _layer_data(kind)
+  with strategy.scope():
+    model = _layer_model(kind)
+    optimizer = ds.optimizers.Momentum(0.05, momentum=0.9)
+
+  def tower_fn(xb, yb):
+    return optimizer.minimize(lambda: tf.reduce_mean(tf.square(model(xb) - yb)),
+                              var_list=model.trainable_variables)
+
+  _run_steps(strategy, tower_fn, "function", (x, y), 16)
+  return model.get_weights()
+
+
+@pytest.mark.parametrize("kind", ["conv", "lstm", "gru", "attention"])
+def test_keras_layers_with_ds_optimizers_match_one_device(kind):
+  expected = _train_layer_model(ds.DefaultStrategy(), kind)
+  assert_all_close(_train_layer_model(STRATEGIES["mirrored4"](), kind), expected)
+
+
 # --- nested reduce, batch_reduce and gather -------------------------------------------------
 
 Pair = collections.namedtuple("Pair", ["left", "right"])

@@ -153,6 +153,29 @@ def test_fit_evaluate_predict_match_one_device(name, data, one_device, tmp_path)
   assert_all_close(loaded.get_weights(), keras.models.load_model(reference_path).get_weights())
 
 
+def test_weight_files_move_between_strategies(tmp_path):
+  x, y = _data()
+  trained = _build(STRATEGIES["mirrored4"]())
+  trained.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+  trained.save_weights(str(tmp_path / "four.weights.h5"))
+  trained.save(str(tmp_path / "four.keras"))
+  for name in ("default", "mirrored2", "ps4"):  # 4 towers -> none, 2 towers, PS.
+    model = _build(STRATEGIES[name]())
+    model.load_weights(str(tmp_path / "four.weights.h5"))
+    assert_all_close(model.get_weights(), trained.get_weights())
+    assert_copies_equal(model.weights)
+    if name == "default":  # And back: one device -> 4 towers, every copy written.
+      model.save_weights(str(tmp_path / "one.weights.h5"))
+      again = _build(STRATEGIES["mirrored4"]())
+      again.load_weights(str(tmp_path / "one.weights.h5"))
+      assert_all_close(again.get_weights(), trained.get_weights())
+      assert_copies_equal(again.weights)
+  with STRATEGIES["mirrored2"]().scope():
+    loaded = keras.models.load_model(str(tmp_path / "four.keras"))
+  assert_all_close(loaded.get_weights(), trained.get_weights())
+  assert_copies_equal(loaded.weights)
+
+
 @pytest.mark.parametrize("name", ["mirrored4", "ps4"])
 def test_ragged_last_batch_matches_one_device(name):
   # 123 examples in batches of 41, split 11/10/10/10: towers weigh by their examples.
