@@ -67,3 +67,9 @@ def test_ps_strategy_trains_on_a_local_cluster():
   assert result["strategy"] == "ParameterServerStrategy"
   assert result["label"] == "ps, 1 tower"
   assert result["accuracy"] >= 0.95
+
+
+def test_unknown_loop_is_rejected():
+  with pytest.raises(ValueError, match=r"loop must be one of \('fit', 'custom'\). Received: "
+                                       r"loop='keras'"):
+    demo.train(demo.Config(towers=1, epochs=1, loop="keras"))

@@ -505,3 +505,17 @@ def test_protocol_tf_distribute_bridge_extended():
   assert merged is True, _broke("protocol _use_merge_call", "maybe_merge_call did not merge")
   assert len(traces) == 2, _broke("protocol _retrace_functions_for_each_device",
                                   f"{len(traces)} traces for 2 tower devices")
+
+
+def test_tf_distribution_mode_fails_loudly_without_the_stack(monkeypatch):
+  class _Graphless:  # A TensorFlow whose graphs lost the per-thread distribution stack.
+    @staticmethod
+    def get_default_graph():
+      return object()
+
+  monkeypatch.setattr(_tf_internal, "_ops", _Graphless)
+  with pytest.raises(_tf_internal.TensorFlowInternalsError,
+                     match=r"Graph._distribution_strategy_stack.*Keras would train on one "
+                           r"device under diststrat"):
+    with _tf_internal.tf_distribution_mode(_Stand()):
+      pass
