@@ -24,6 +24,12 @@ A thread starts in the default tower context (tower 0 of 1, under the default st
 
 `merge_call` from the default tower context enters the default strategy's cross-tower
 context. Contexts nest to any depth. Every push is paired with a pop in a `finally`.
+
+Code above this module can follow the mode changes: `add_mode_listener(listener)`
+registers a function that is called with each mode entered (in `enter_mode`, and when a
+`ThreadState` is entered in another thread) and returns a context manager to hold while
+that mode is current. The tf.distribute bridge (diststrat/_tf_distribute_bridge.py)
+uses this to keep TensorFlow's own idea of the current strategy in step with ours.
 """
 
 import contextlib
@@ -66,6 +72,31 @@ def current_mode():
   return stack[-1] if stack else _default_mode()
 
 
+_mode_listeners = []
+
+
+def add_mode_listener(listener):
+  """Calls `listener(strategy, tower_context)` whenever this module enters a mode.
+
+  `listener` returns a context manager (or None), entered for as long as that mode is
+  the current one (in this thread); `tower_context` None means the cross-tower context
+  of `strategy`. Registering the same listener twice registers it once.
+  """
+  if listener not in _mode_listeners:
+    _mode_listeners.append(listener)
+
+
+@contextlib.contextmanager
+def _announced(mode):
+  """Enters what the listeners return for `mode`, for the body's duration."""
+  with contextlib.ExitStack() as stack:
+    for listener in _mode_listeners:
+      manager = listener(mode.strategy, mode.tower_context)
+      if manager is not None:
+        stack.enter_context(manager)
+    yield
+
+
 def in_default_context():
   """True when nothing is entered in this thread: the default tower context."""
   return current_mode().tower_context is default_tower_context()
@@ -78,7 +109,8 @@ def enter_mode(strategy, tower_context=None):
   stack = _stack()
   stack.append(entry)
   try:
-    yield
+    with _announced(entry):
+      yield
   finally:
     # Remove our own entry even if an inner context forgot to pop its own.
     for i in range(len(stack) - 1, -1, -1):
@@ -133,6 +165,11 @@ def has_distribution_strategy():
   return current_mode().strategy is not _default_strategy()
 
 
+def is_default_strategy(strategy):
+  """True when `strategy` is the default strategy (the one in effect outside any scope)."""
+  return strategy is _default_strategy()
+
+
 # --- the device being updated inside update() / update_non_slot() ---
 
 
@@ -170,11 +207,13 @@ class TowerContext:
     1
   """
 
-  def __init__(self, distribution_strategy, tower_id, num_towers=1, device=None):
+  def __init__(self, distribution_strategy, tower_id, num_towers=1, device=None,
+               batch_share=None):
     self._strategy = distribution_strategy
     self._tower_id = tower_id
     self._num_towers = num_towers
     self._device = _devices.canonicalize(device) if device else None
+    self._batch_share = batch_share
 
   @property
   def distribution_strategy(self):
@@ -191,6 +230,30 @@ class TowerContext:
   @property
   def is_single_tower(self):
     return self._num_towers == 1
+
+  @property
+  def batch_share(self):
+    """This tower's fraction of the global batch it was given a part of, or None.
+
+    When `call_for_each_tower` gets a batch split by `distribute_dataset` (or by Keras's
+    `fit` under diststrat), tower i's share is n_i / B: its examples over the batch's.
+    It is a float, or a float32 scalar tensor when the sizes are known only at run time.
+    Weighting each tower's mean loss by it makes the summed gradients equal to one
+    device's even when B does not divide evenly; diststrat's optimizers and Keras's
+    losses do so. None when no split batch was given (each tower then weighs
+    `1 / num_towers`).
+
+    Example:
+      >>> import diststrat as ds, tensorflow as tf
+      >>> s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+      >>> with s.scope():
+      ...   data = s.distribute_dataset(lambda: tf.data.Dataset.range(3).batch(3))
+      ...   shares = s.call_for_each_tower(
+      ...       lambda x: ds.get_tower_context().batch_share, next(iter(data)))
+      >>> [round(float(v), 3) for v in shares.values]
+      [0.667, 0.333]
+    """
+    return self._batch_share
 
   @property
   def device(self):
@@ -234,6 +297,22 @@ class TowerContext:
   def __repr__(self):
     return (f"TowerContext(tower_id={self._tower_id}, num_towers={self._num_towers}, "
             f"strategy={self._strategy!r})")
+
+
+def same_merge_fn(a, b):
+  """Whether two merge_fns are the same function: equal, or closures of one `def`.
+
+  Each tower runs the same code, so a function defined inside the tower function is a
+  new object in every tower; it is still the same function if its code is.
+  """
+  if a is b or a == b:
+    return True
+  self_a, self_b = getattr(a, "__self__", None), getattr(b, "__self__", None)
+  if self_a is not self_b:
+    return False
+  code_a = getattr(getattr(a, "__func__", a), "__code__", None)
+  code_b = getattr(getattr(b, "__func__", b), "__code__", None)
+  return code_a is not None and code_a is code_b
 
 
 _DEFAULT_TOWER_CONTEXT = None
@@ -303,4 +382,6 @@ class ThreadState:
         _state.update_devices = saved_updates
 
       stack.callback(restore)
+      if self.modes:
+        stack.enter_context(_announced(self.modes[-1]))
       yield

@@ -86,29 +86,55 @@ class PerDeviceIterator:
       raise TypeError("distribute_dataset() splits dense tensors along their first axis; "
                       f"got a {type(batch).__name__}. Convert it to a dense tensor in the "
                       "dataset (for example with .map()).")
-    n = self._total
-    static = batch.shape[0] if batch.shape.rank else None
-    if batch.shape.rank == 0:
-      raise ValueError("distribute_dataset() needs batched elements (a first axis to split); "
-                       "got a scalar. Batch the dataset with .batch(global_batch_size).")
-    if static is not None:
-      sizes = split_sizes(static, n)
-    else:
-      size = tf.shape(batch, out_type=tf.int64)[0]
-      checks = [tf.debugging.assert_greater_equal(
-          size, tf.constant(n, tf.int64),
-          message=f"A batch with fewer examples than the {n} towers cannot be split "
-                  "across them; use a global batch size >= the number of towers.")]
-      with tf.control_dependencies(checks):
-        base = size // n
-        extra = size % n
-        sizes = base + tf.cast(tf.range(n, dtype=tf.int64) < extra, tf.int64)
-    parts = tf.split(batch, sizes, num=n, axis=0)[self._first:self._first + len(self._devices)]
-    placed = {}
-    for device, part in zip(self._devices, parts):
-      with tf.device(device):
-        placed[device] = tf.identity(part)
-    return _wrapped.PerDevice(placed)
+    return split_batch(batch, self._devices, first_tower=self._first,
+                       num_towers=self._total)
+
+
+def split_batch(batch, devices, allow_empty=False, first_tower=0, num_towers=None):
+  """`batch` split along its first axis into one part per device, as `BatchParts`.
+
+  Sizes are as even as possible, the larger parts first; part i is placed on
+  `devices[i]`. Works on static and dynamic batch sizes (eager and in `tf.function`).
+
+  Args:
+    batch: a tensor with a first (batch) axis.
+    devices: the towers' devices, in tower order.
+    allow_empty: let towers get no example when the batch is smaller than the number
+      of devices (Keras's `predict` on a short last batch); else that raises.
+    first_tower, num_towers: with several processes, the batch is split into
+      `num_towers` parts (default: one per device) and this process keeps the
+      `len(devices)` parts from `first_tower` on; the parts then carry the global size.
+
+  Raises:
+    ValueError: `batch` is a scalar, or (unless `allow_empty`) has fewer examples than
+      towers.
+  """
+  n = num_towers or len(devices)
+  if batch.shape.rank == 0:
+    raise ValueError("distribute_dataset() needs batched elements (a first axis to split); "
+                     "got a scalar. Batch the dataset with .batch(global_batch_size).")
+  static = batch.shape[0] if batch.shape.rank else None
+  if static is not None and (static >= n or not allow_empty):
+    sizes = split_sizes(static, n)
+  else:
+    size = tf.shape(batch, out_type=tf.int64)[0]
+    checks = [] if allow_empty else [tf.debugging.assert_greater_equal(
+        size, tf.constant(n, tf.int64),
+        message=f"A batch with fewer examples than the {n} towers cannot be split "
+                "across them; use a global batch size >= the number of towers.")]
+    with tf.control_dependencies(checks):
+      base = size // n
+      extra = size % n
+      sizes = base + tf.cast(tf.range(n, dtype=tf.int64) < extra, tf.int64)
+  parts = tf.split(batch, sizes, num=n, axis=0)[first_tower:first_tower + len(devices)]
+  placed = {}
+  for device, part in zip(devices, parts):
+    with tf.device(device):
+      placed[device] = tf.identity(part)
+  if n == len(devices):
+    return _wrapped.BatchParts(placed)
+  global_size = static if static is not None else tf.shape(batch, out_type=tf.int64)[0]
+  return _wrapped.BatchParts(placed, global_size=global_size)
 
 
 def split_sizes(batch_size, num_towers):

@@ -14,6 +14,7 @@ import wrapt
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _input
+from diststrat import _tf_distribute_bridge  # pylint: disable=unused-import
 from diststrat import _tf_internal
 from diststrat import errors
 from diststrat._arguments import as_tf_variable
@@ -131,32 +132,66 @@ class DistributionStrategy:
 
   @cross_tower_method
   def reduce(self, aggregation, value, destinations=None):
-    """Combines a per-tower value across towers.
+    """Combines a per-tower value (or a nested structure of them) across towers.
 
     Args:
       aggregation: "sum", "mean", or `tf.VariableAggregation.SUM`/`MEAN`.
-      value: a `PerDevice` (or a plain tensor, taken as one value).
+      value: a `PerDevice` (or a plain tensor, taken as one value), or a dict, list,
+        tuple or namedtuple of them (nested to any depth); a structure's leaves are
+        reduced together, as by `batch_reduce`.
       destinations: None (the worker devices), a device string or a list of them, or
         a variable (the devices holding it).
 
     Returns:
-      The result mirrored over `destinations`.
+      The result mirrored over `destinations`; for a structure, the same structure
+      with each leaf reduced.
+
+    Example:
+      >>> import diststrat as ds, tensorflow as tf
+      >>> s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+      >>> def tower_fn():
+      ...   tower_id = tf.constant(float(ds.get_tower_context().tower_id))
+      ...   return {"n": tf.ones([]), "ids": [tower_id, 10.0 * tower_id]}
+      >>> with s.scope():
+      ...   total = s.reduce("sum", s.call_for_each_tower(tower_fn))
+      >>> float(total["n"].primary), [float(v.primary) for v in total["ids"]]
+      (2.0, [1.0, 10.0])
     """
     aggregation = canonical_aggregation(aggregation)
-    return self._reduce(aggregation, value, self._resolve_destinations(destinations))
+    destinations = self._resolve_destinations(destinations)
+    if not _wrapped.is_structure(value):
+      return self._reduce(aggregation, value, destinations)
+    leaves = _wrapped.flatten(value)
+    reduced = self._batch_reduce(aggregation, [(leaf, destinations) for leaf in leaves]) \
+        if leaves else []
+    return _wrapped.pack_as(value, reduced)
 
   @cross_tower_method
   def batch_reduce(self, aggregation, value_destination_pairs):
-    """Like `reduce` for each (value, destinations) pair, done together (faster)."""
+    """Like `reduce` for each (value, destinations) pair, done together (faster).
+
+    A pair's value may be a nested structure, as in `reduce`; its result then has the
+    same structure.
+    """
     aggregation = canonical_aggregation(aggregation)
-    pairs = []
+    values, pairs = [], []
     for i, pair in enumerate(value_destination_pairs):
       if not isinstance(pair, (tuple, list)) or len(pair) != 2:
         raise ValueError(
             "batch_reduce() takes a list of (value, destinations) pairs. Received: item "
             f"{i} = {pair!r}")
-      pairs.append((pair[0], self._resolve_destinations(pair[1])))
-    return self._batch_reduce(aggregation, pairs)
+      destinations = self._resolve_destinations(pair[1])
+      leaves = _wrapped.flatten(pair[0]) if _wrapped.is_structure(pair[0]) else [pair[0]]
+      values.append((pair[0], len(leaves)))
+      pairs.extend((leaf, destinations) for leaf in leaves)
+    reduced = self._batch_reduce(aggregation, pairs) if pairs else []
+    results, start = [], 0
+    for value, count in values:
+      part = reduced[start:start + count]
+      start += count
+      results.append(_wrapped.pack_as(value, part) if _wrapped.is_structure(value)
+                     else part[0])
+    return results
 
   @cross_tower_method
   def broadcast(self, tensor, destinations=None):
@@ -235,8 +270,15 @@ class DistributionStrategy:
     """Concatenates the towers' values along `axis`, in tower order.
 
     The result lives on the first worker device, or is mirrored to `destinations`.
+    Scalars, which have no axis to concatenate, are stacked into a vector.
+    `value` may be a dict, list, tuple or namedtuple of per-tower values (nested to any
+    depth): each leaf is gathered, and the result has the same structure.
     """
-    return self._gather(value, axis, self._resolve_destinations(destinations))
+    destinations = self._resolve_destinations(destinations)
+    if not _wrapped.is_structure(value):
+      return self._gather(value, axis, destinations)
+    return _wrapped.pack_as(value, [self._gather(leaf, axis, destinations)
+                                    for leaf in _wrapped.flatten(value)])
 
   @property
   def num_towers(self):
@@ -434,7 +476,11 @@ class DistributionStrategy:
       gathered = components[0]
     else:
       with tf.device(self._worker_devices()[0]):
-        gathered = tf.concat(components, axis=axis)
+        if all(getattr(c, "shape", None) is not None and c.shape.rank == 0
+               for c in components):
+          gathered = tf.stack(components)
+        else:
+          gathered = tf.concat(components, axis=axis)
     if destinations is None:
       return gathered
     return self._broadcast(gathered, destinations)

@@ -34,7 +34,15 @@ Reaches, by what needs them:
   hook in TensorFlow's error path can give them diststrat's type
   (`install_error_translator`).
 - Keras 3 variables hold their TensorFlow variable in `_value`
-  (`keras_backing_variable`).
+  (`keras_backing_variable`), and a Keras optimizer keeps the tf.distribute strategy it
+  was created under in `_distribution_strategy` (`keras_optimizer_strategy`).
+- Keras 3 and TensorFlow learn about a distribution strategy only from TensorFlow's
+  per-thread distribution-mode stack, which has no public setter: diststrat puts an entry
+  there while one of its contexts is current (`tf_distribution_mode`), so
+  `tf.distribute.get_strategy()` answers for diststrat (see diststrat/_tf_distribute_bridge.py).
+- Which Keras code is creating a variable (layer state, a random seed's state) is told by
+  no argument of the variable creator; the creating frames say it
+  (`keras_variable_origin`).
 - The pipeline (diststrat/pipeline) runs its own backward schedule: it records one tape
   entry whose inputs it chooses (`record_backward`, `should_record`) and pauses every
   tape of the thread while re-materialized stages run (`stop_recording`).
@@ -60,11 +68,20 @@ defined where the objects are; their names are listed here and tested:
   `tf.train.Checkpoint` saves a trackable (values/_variables.py).
 - `_create_or_restore_slot_variable`: how `tf.train.Checkpoint` hands an optimizer the
   saved value of a slot that does not exist yet (optimizers/_optimizer.py).
+- `_export_to_saved_model_graph`, `_write_object_proto`: how `tf.saved_model.save` (and
+  Keras's `model.export`) writes a variable into a SavedModel (values/_variables.py).
+- `_distributed_container`: how a Keras optimizer finds the variable that owns the copy
+  it updates, to find that variable's slots (values/_variables.py).
+- `_use_merge_call`, `_retrace_functions_for_each_device`: what TensorFlow asks
+  `tf.distribute.get_strategy().extended` besides its public methods
+  (diststrat/_tf_distribute_bridge.py).
 """
 
+import contextlib
 import functools
 import inspect
 import re
+import sys
 
 import grpc  # TensorFlow's own dependency: its gRPC runtime.
 
@@ -85,6 +102,9 @@ PROTOCOLS = {
     "checkpoints": ("_serialize_to_tensors", "_restore_from_tensors",
                     "_copy_trackable_to_cpu"),
     "optimizer slots": ("_create_or_restore_slot_variable",),
+    "SavedModel": ("_export_to_saved_model_graph", "_write_object_proto"),
+    "Keras optimizer slots": ("_distributed_container",),
+    "tf.distribute bridge": ("_use_merge_call", "_retrace_functions_for_each_device"),
 }
 """The private method names TensorFlow calls on diststrat's objects, by purpose."""
 
@@ -550,6 +570,100 @@ def keras_backing_variable(value):
     if isinstance(inner, tf.Variable):
       return inner
   return None
+
+
+def keras_optimizer_strategy(optimizer):
+  """The `tf.distribute` strategy a Keras 3 optimizer captured when created, or None.
+
+  Keras's TensorFlow optimizer applies its updates through that strategy, and has no
+  public accessor for it.
+  """
+  return getattr(optimizer, "_distribution_strategy", None)
+
+
+# Where Keras 3 (TensorFlow backend) makes the tf.Variable behind a `keras.Variable`, and
+# where a SeedGenerator makes its state: the modules are looked up among those already
+# imported (a Keras variable being created means Keras is loaded), never imported here.
+_KERAS_VARIABLE_MODULE = "keras.src.backend.tensorflow.core"
+_KERAS_SEED_MODULE = "keras.src.random.seed_generator"
+_KERAS_FRAMES_SEARCHED = 60
+
+
+def _keras_code(module_name, path):
+  obj = sys.modules.get(module_name)
+  for name in path:
+    obj = getattr(obj, name, None)
+  return getattr(obj, "__code__", None)
+
+
+def keras_variable_origin():
+  """Who is creating the variable being created now: "seed", "keras" or None.
+
+  "keras": a `keras.Variable` (layer weights and state, optimizer and metric variables)
+  is making its TensorFlow variable; "seed": that variable is the state of a Keras
+  `SeedGenerator` (Dropout and every random layer); None: anything else. Call it from a
+  variable creator. Keras passes nothing that says so, so the calling frames are
+  searched for `keras.Variable._initialize` and `SeedGenerator.__init__`.
+  """
+  variable_init = _keras_code(_KERAS_VARIABLE_MODULE, ("Variable", "_initialize"))
+  if variable_init is None:
+    return None
+  seed_init = _keras_code(_KERAS_SEED_MODULE, ("SeedGenerator", "__init__"))
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  origin = None
+  for _ in range(_KERAS_FRAMES_SEARCHED):
+    if frame is None:
+      break
+    if frame.f_code is variable_init:
+      origin = "keras"
+    elif frame.f_code is seed_init:
+      return "seed" if origin else None
+    frame = frame.f_back
+  return origin
+
+
+# --- TensorFlow's distribution-mode stack ------------------------------------------------
+
+
+class _DistributionMode:
+  """An entry of TensorFlow's per-thread distribution-mode stack (three attributes)."""
+
+  def __init__(self, strategy, cross_replica_context, replica_context):
+    self.strategy = strategy
+    self.cross_replica_context = cross_replica_context
+    self.replica_context = replica_context
+
+
+def _distribution_mode_stack():
+  stack = getattr(_ops.get_default_graph(), "_distribution_strategy_stack", None)
+  if not isinstance(stack, list):
+    raise _missing("the per-thread distribution stack of TensorFlow's graphs "
+                   "(Graph._distribution_strategy_stack)",
+                   "it is gone, so Keras would train on one device under diststrat")
+  return stack
+
+
+@contextlib.contextmanager
+def tf_distribution_mode(strategy, replica_context=None):
+  """Makes `tf.distribute` report `strategy` (and `replica_context`) in this thread.
+
+  While entered, `tf.distribute.get_strategy()` returns `strategy`, `has_strategy()` is
+  True, and `get_replica_context()` returns `replica_context`; with `replica_context`
+  None it is the cross-replica context of `strategy`. The entry goes on the current
+  default graph's stack (a `tf.function` being traced copies the stack of the graph
+  around it) and is removed from that same stack on exit.
+  """
+  stack = _distribution_mode_stack()
+  entry = _DistributionMode(strategy, strategy if replica_context is None else None,
+                            replica_context)
+  stack.append(entry)
+  try:
+    yield
+  finally:
+    for i in range(len(stack) - 1, -1, -1):
+      if stack[i] is entry:
+        del stack[i]
+        break
 
 
 # --- AutoGraph ---------------------------------------------------------------------------

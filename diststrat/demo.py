@@ -1,16 +1,20 @@
 """The diststrat demo: train a digits classifier on several devices, then on one.
 
 `make demo` (or `python -m diststrat.demo`, or the `diststrat-demo` script) trains a small
-Keras 3 MLP on scikit-learn's bundled 8x8 digits with `MirroredStrategy`: one tower per
-GPU, or, with no GPU, the CPU split into `--towers` logical devices. Each step runs in one
-`tf.function` that calls `strategy.call_for_each_tower`; every tower computes the loss of
-its part of the global batch and calls `optimizer.minimize`, which sums the towers'
-gradients and updates every copy of the variables. It then trains the same model on one
-device with no strategy and prints both results side by side. See docs/demo.md.
+Keras 3 CNN (convolutions, batch normalization, dropout) on scikit-learn's bundled 8x8
+digits with `MirroredStrategy`: one tower per GPU, or, with no GPU, the CPU split into
+`--towers` logical devices. The model is built and compiled in `strategy.scope()` and
+trained with `model.fit`, as Keras users train: diststrat splits every batch across the
+towers, sums the gradients and keeps every copy of the variables equal. It then trains
+the same model on one device with no strategy and prints both results side by side.
+`--loop=custom` trains with diststrat's own API instead (`call_for_each_tower` and a
+diststrat optimizer in a `tf.function` step). See docs/demo.md.
 
 Example:
   python -m diststrat.demo --towers=2 --epochs=10 --reduction=naive
 """
+
+import contextlib
 
 import dataclasses
 import os
@@ -60,12 +64,15 @@ REDUCTIONS = {
     "naive": lambda: cross_tower_ops.AllReduceCrossTowerOps(algorithm="naive"),
 }
 
-# name -> (make optimizer from a learning rate, the default learning rate).
+# name -> (diststrat optimizer from a learning rate (--loop=custom), Keras optimizer from
+# a learning rate (--loop=fit), the default learning rate).
 OPTIMIZERS = {
-    "sgd": (ds.optimizers.GradientDescent, 0.5),
-    "momentum": (lambda lr: ds.optimizers.Momentum(lr, momentum=0.9), 0.05),
-    "adam": (ds.optimizers.Adam, 0.01),
+    "sgd": (ds.optimizers.GradientDescent, keras.optimizers.SGD, 0.1),
+    "momentum": (lambda lr: ds.optimizers.Momentum(lr, momentum=0.9),
+                 lambda lr: keras.optimizers.SGD(lr, momentum=0.9), 0.02),
+    "adam": (ds.optimizers.Adam, keras.optimizers.Adam, 0.005),
 }
+LOOPS = ("fit", "custom")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("strategy", "mirrored", sorted(STRATEGIES), "How to distribute training.")
@@ -78,8 +85,13 @@ flags.DEFINE_enum("reduction", "auto", sorted(REDUCTIONS),
                   "How the towers' gradients are summed (diststrat.cross_tower_ops); "
                   "auto: the strategy's default for its devices.")
 flags.DEFINE_float("learning_rate", None,
-                   "Learning rate. Default: 0.01 for adam, 0.05 for momentum, 0.5 for sgd.")
-flags.DEFINE_enum("optimizer", "adam", sorted(OPTIMIZERS), "diststrat.optimizers to use.")
+                   "Learning rate. Default: 0.005 for adam, 0.02 for momentum, 0.1 for sgd.")
+flags.DEFINE_enum("optimizer", "adam", sorted(OPTIMIZERS),
+                  "The optimizer: Keras's with --loop=fit, diststrat.optimizers' with "
+                  "--loop=custom.")
+flags.DEFINE_enum("loop", "fit", LOOPS, "fit: Keras's model.fit, the model built and "
+                  "compiled in strategy.scope(). custom: diststrat's own training loop "
+                  "(call_for_each_tower in a tf.function step, a diststrat optimizer).")
 flags.DEFINE_integer("seed", 0, "Seeds the held-out split, the shuffling and the weights.")
 flags.DEFINE_bool("compare", True, "Also train on one device with no strategy, and compare.")
 
@@ -95,7 +107,8 @@ class Config:
   learning_rate: float | None = None
   optimizer: str = "adam"
   seed: int = 0
-  progress: bool = False  # A tqdm progress bar on stderr.
+  loop: str = "fit"
+  progress: bool = False  # A progress bar on stderr (Keras's with fit, tqdm's with custom).
 
 
 # --- devices ---
@@ -137,19 +150,33 @@ def short_name(device):
 
 
 def load_data(seed):
-  """The 8x8 digits bundled with scikit-learn (no download): 80% train, 20% held out."""
+  """The 8x8 digits bundled with scikit-learn (no download): 80% train, 20% held out.
+
+  Images are (8, 8, 1) arrays of pixel values in [0, 1].
+  """
   x, y = datasets.load_digits(return_X_y=True)
-  x = (x / 16.0).astype(np.float32)  # Pixel values are 0..16.
+  x = (x / 16.0).astype(np.float32).reshape(-1, 8, 8, 1)  # Pixel values are 0..16.
   return model_selection.train_test_split(x, y.astype(np.int32), test_size=0.2,
                                           random_state=seed, stratify=y)
 
 
 def make_model():
+  """A small CNN: two convolutions with batch normalization, dropout, a linear read-out."""
   return keras.Sequential([
-      keras.Input(shape=(64,)),
-      keras.layers.Dense(128, activation="relu"),
+      keras.Input(shape=(8, 8, 1)),
+      keras.layers.Conv2D(16, 3, padding="same", use_bias=False),
+      keras.layers.BatchNormalization(),
+      keras.layers.ReLU(),
+      keras.layers.Conv2D(32, 3, strides=2, padding="same", use_bias=False),
+      keras.layers.BatchNormalization(),
+      keras.layers.ReLU(),
+      keras.layers.Flatten(),
+      keras.layers.Dropout(0.25),
       keras.layers.Dense(10),
   ])
+
+
+MODEL_DESCRIPTION = "a small CNN (2 conv + batch norm, dropout, dense)"
 
 
 # --- training ---
@@ -170,6 +197,8 @@ def train(config, strategy=None):
   """
   if config.strategy == "ps" and strategy is None:
     return _train_on_local_cluster(config)
+  if config.loop not in LOOPS:
+    raise ValueError(f"loop must be one of {LOOPS}. Received: loop={config.loop!r}")
   x_train, x_test, y_train, y_test = load_data(config.seed)
   no_strategy = config.strategy == "default"
   if strategy is None:
@@ -177,23 +206,99 @@ def train(config, strategy=None):
     strategy = STRATEGIES[config.strategy](config, devices)
   else:
     devices = list(strategy.worker_devices)
-  make_optimizer, default_lr = OPTIMIZERS[config.optimizer]
   steps_per_epoch = len(x_train) // config.batch_size
   if steps_per_epoch == 0:
     raise ValueError(f"--batch_size={config.batch_size} is larger than the "
                      f"{len(x_train)} training examples.")
-  total_steps = steps_per_epoch * config.epochs
+  label = "one device, no strategy" if no_strategy else \
+      f"{config.strategy}, {len(devices)} tower{'s' if len(devices) > 1 else ''}"
 
-  def dataset_fn():  # Global batches; each is split across the towers.
+  def dataset():  # Global batches; diststrat splits each across the towers.
     data = tf.data.Dataset.from_tensor_slices((x_train, y_train))
     data = data.shuffle(len(x_train), seed=config.seed, reshuffle_each_iteration=True)
-    return data.batch(config.batch_size, drop_remainder=True).repeat(config.epochs)
+    return data.batch(config.batch_size, drop_remainder=True)
 
   keras.utils.set_random_seed(config.seed)  # The same initial weights in every run.
+  run = _train_with_fit if config.loop == "fit" else _train_with_custom_loop
+  model, timing, final_loss = run(config, strategy, dataset, steps_per_epoch, label)
+  with strategy.scope():
+    copies = [strategy.unwrap(w.value) for w in model.weights]
+  predictions = np.argmax(model.predict(x_test, batch_size=len(x_test), verbose=0), axis=1)
+  total_steps = steps_per_epoch * config.epochs
+  timed_examples = (total_steps - 1) * config.batch_size
+  return {
+      "label": label,
+      "loop": config.loop,
+      "accuracy": float(np.mean(predictions == y_test)),
+      "final_loss": final_loss,
+      "examples_per_second": timed_examples / (timing.end - timing.first_step_done)
+                             if timed_examples else float("nan"),
+      "wall_time": timing.end - timing.start,
+      "first_step_time": timing.first_step_done - timing.start,
+      "steps": total_steps,
+      "strategy": type(strategy).__name__,
+      "devices": devices,
+      "reduction": describe_reduction(strategy, config.reduction),
+      "copies": max(len(c) for c in copies),
+      "copies_max_difference": max(float(tf.reduce_max(tf.abs(tf.cast(c - cs[0], tf.float32))))
+                                   for cs in copies for c in cs),
+      "train_examples": len(x_train),
+      "test_examples": len(x_test),
+  }
+
+
+class _Timing:
+  """Start, end of the first step (tracing is over), end: `time.perf_counter()` values."""
+
+  def __init__(self):
+    self.start = time.perf_counter()
+    self.first_step_done = self.end = None
+
+  def step_done(self):
+    if self.first_step_done is None:
+      self.first_step_done = time.perf_counter()
+
+
+class _TimingCallback(keras.callbacks.Callback):
+
+  def __init__(self, timing):
+    super().__init__()
+    self._timing = timing
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._timing.step_done()
+
+  def on_train_end(self, logs=None):
+    self._timing.end = time.perf_counter()
+
+
+def _train_with_fit(config, strategy, dataset, steps_per_epoch, label):
+  """Keras's own way: build and compile in the strategy's scope, then `model.fit`."""
+  del steps_per_epoch  # One epoch is one pass over `dataset()`.
+  _, make_optimizer, default_lr = OPTIMIZERS[config.optimizer]
+  with strategy.scope():
+    model = make_model()  # Variables mirrored on every tower's device.
+    model.compile(optimizer=make_optimizer(config.learning_rate or default_lr),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  timing = _Timing()
+  # Keras prints its progress bar on stdout; the demo keeps stdout for the report.
+  with contextlib.redirect_stdout(sys.stderr):
+    if config.progress:
+      print(f"{label}: model.fit")
+    history = model.fit(dataset(), epochs=config.epochs, shuffle=False,
+                        verbose=1 if config.progress else 0,
+                        callbacks=[_TimingCallback(timing)])
+  return model, timing, history.history["loss"][-1]
+
+
+def _train_with_custom_loop(config, strategy, dataset, steps_per_epoch, label):
+  """diststrat's own API: `call_for_each_tower` in a `tf.function` step."""
+  make_optimizer, _, default_lr = OPTIMIZERS[config.optimizer]
+  total_steps = steps_per_epoch * config.epochs
   with strategy.scope():
     model = make_model()  # Its variables are mirrored on every tower's device.
     optimizer = make_optimizer(config.learning_rate or default_lr)
-    batches = iter(strategy.distribute_dataset(dataset_fn))
+    batches = iter(strategy.distribute_dataset(lambda: dataset().repeat(config.epochs)))
 
   def tower_fn(images, labels):  # Runs once per tower, on that tower's part of the batch.
     with tf.GradientTape() as tape:
@@ -212,45 +317,21 @@ def train(config, strategy=None):
 
   # A cluster's steps run under its watchdog (a dead or frozen PS becomes a ClusterError).
   run_step = getattr(strategy, "run_step", lambda fn: fn())
-  label = "one device, no strategy" if no_strategy else \
-      f"{config.strategy}, {len(devices)} tower{'s' if len(devices) > 1 else ''}"
   bar = tqdm.tqdm(total=total_steps, desc=f"{label:<23}", unit="step", file=sys.stderr,
                   disable=not config.progress, dynamic_ncols=True)
-  start = time.perf_counter()
+  timing = _Timing()
   with strategy.scope():
     for epoch in range(config.epochs):
       epoch_loss = 0.0
       for step in range(steps_per_epoch):
         epoch_loss += float(run_step(train_step))
-        if epoch == 0 and step == 0:
-          first_step_done = time.perf_counter()  # Tracing is over: start the clock.
+        timing.step_done()
         bar.set_postfix_str(f"epoch {epoch + 1}/{config.epochs}, "
                             f"loss {epoch_loss / (step + 1):.4f}", refresh=False)
         bar.update()
-    end = time.perf_counter()
-    copies = [strategy.unwrap(w.value) for w in model.trainable_variables]
+    timing.end = time.perf_counter()
   bar.close()
-
-  predictions = np.argmax(model(x_test, training=False), axis=1)
-  timed_examples = (total_steps - 1) * config.batch_size
-  return {
-      "label": label,
-      "accuracy": float(np.mean(predictions == y_test)),
-      "final_loss": epoch_loss / steps_per_epoch,
-      "examples_per_second": timed_examples / (end - first_step_done) if timed_examples
-                             else float("nan"),
-      "wall_time": end - start,
-      "first_step_time": first_step_done - start,
-      "steps": total_steps,
-      "strategy": type(strategy).__name__,
-      "devices": devices,
-      "reduction": describe_reduction(strategy, config.reduction),
-      "copies": len(copies[0]),
-      "copies_max_difference": max(float(tf.reduce_max(tf.abs(c - cs[0])))
-                                   for cs in copies for c in cs),
-      "train_examples": len(x_train),
-      "test_examples": len(x_test),
-  }
+  return model, timing, epoch_loss / steps_per_epoch
 
 
 def _train_on_local_cluster(config):
@@ -282,7 +363,7 @@ def describe_reduction(strategy, flag):
 
 def format_report(config, result, baseline=None):
   """The results as a few lines of text; `baseline` is the one-device run, if any."""
-  lr = config.learning_rate or OPTIMIZERS[config.optimizer][1]
+  lr = config.learning_rate or OPTIMIZERS[config.optimizer][2]
   runs = [result] + ([baseline] if baseline else [])
   rows = [
       ("", [r["label"] for r in runs]),
@@ -293,10 +374,14 @@ def format_report(config, result, baseline=None):
   ]
   lines = [
       "",
-      "diststrat demo: a 64-128-10 MLP learns scikit-learn's 8x8 digits",
+      f"diststrat demo: {MODEL_DESCRIPTION} learns scikit-learn's 8x8 digits",
       f"  {result['train_examples']} training / {result['test_examples']} held-out images, "
       f"{config.epochs} epochs x {result['steps'] // config.epochs} batches of "
       f"{config.batch_size}, {config.optimizer} (learning rate {lr:g})",
+      "  trained with " + ("Keras's model.fit, the model built and compiled in "
+                           "strategy.scope()" if config.loop == "fit" else
+                           "diststrat's custom loop (call_for_each_tower, "
+                           f"diststrat.optimizers.{type(OPTIMIZERS[config.optimizer][0](lr)).__name__})"),
       "",
   ]
   lines += [(f"  {name:<20}" + "".join(f"{c:<27}" for c in cells)).rstrip()
@@ -308,8 +393,9 @@ def format_report(config, result, baseline=None):
   if result["reduction"]:
     lines.append(f"  reduction  {result['reduction']}")
   if result["copies"] > 1:
-    lines.append(f"  variables  {result['copies']} copies of each weight, one per device; "
-                 f"they differ by at most {result['copies_max_difference']:g}")
+    lines.append(f"  variables  {result['copies']} copies of each weight (batch norm's moving "
+                 "statistics included), one per device; they differ by at most "
+                 f"{result['copies_max_difference']:g}")
   if baseline:
     ratio = result["examples_per_second"] / baseline["examples_per_second"]
     lines.append(f"  speed      {ratio:.2f}x the examples/second of one device")
@@ -330,7 +416,7 @@ def main(argv):
   config = Config(strategy=FLAGS.strategy, towers=FLAGS.towers, epochs=FLAGS.epochs,
                   batch_size=FLAGS.batch_size, reduction=FLAGS.reduction,
                   learning_rate=FLAGS.learning_rate, optimizer=FLAGS.optimizer,
-                  seed=FLAGS.seed, progress=True)
+                  seed=FLAGS.seed, loop=FLAGS.loop, progress=True)
   result = train(config)
   baseline = None
   if FLAGS.compare and config.strategy != "default":

@@ -16,11 +16,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(180)
-def test_command_line_prints_the_report():
+@pytest.mark.parametrize("loop,bar", [("fit", "Epoch 2/2"), ("custom", "epoch 2/2")])
+def test_command_line_prints_the_report(loop, bar):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   proc = subprocess.run(
       [sys.executable, "-m", "diststrat.demo", "--epochs=2", "--towers=2",
-       "--reduction=naive"],
+       "--reduction=naive", f"--loop={loop}"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = proc.stdout
@@ -28,21 +29,25 @@ def test_command_line_prints_the_report():
   assert "examples/second" in report
   assert "mirrored, 2 towers" in report and "one device, no strategy" in report
   assert "naive all-reduce" in report
-  assert "epoch 2/2" in proc.stderr  # The progress bar.
+  assert ("model.fit" if loop == "fit" else "custom loop") in report
+  assert bar in proc.stderr  # The progress bar (Keras's, or tqdm's), not in the report.
+  assert bar not in report
 
 
-@pytest.mark.timeout(120)
-def test_four_towers_and_one_tower_learn_the_digits():
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_four_towers_and_one_tower_learn_the_digits(loop):
   # conftest.py already split the CPU into 4 logical devices: the demo uses them.
-  four = demo.train(demo.Config(towers=4, seed=1))
-  one = demo.train(demo.Config(towers=1, seed=1))
+  four = demo.train(demo.Config(towers=4, seed=1, epochs=12, loop=loop))
+  one = demo.train(demo.Config(towers=1, seed=1, epochs=12, loop=loop))
   assert four["accuracy"] >= 0.95, four
   assert one["accuracy"] >= 0.95, one
   assert len(four["devices"]) == 4 and len(one["devices"]) == 1
+  # Every copy of every weight, batch normalization's moving statistics included.
   assert four["copies"] == 4 and four["copies_max_difference"] == 0.0
-  # The same global batches and initial weights: the same training, to float32 rounding.
-  assert four["final_loss"] == pytest.approx(one["final_loss"], rel=1e-2, abs=1e-4)
-  report = demo.format_report(demo.Config(towers=4, seed=1), four, one)
+  # Dropout draws other masks on 4 towers: the same training up to that noise.
+  assert four["final_loss"] < 0.1 and one["final_loss"] < 0.1
+  report = demo.format_report(demo.Config(towers=4, seed=1, loop=loop), four, one)
   assert "held-out accuracy" in report and "x the examples/second of one device" in report
 
 
@@ -57,8 +62,14 @@ def test_batch_larger_than_the_data_is_rejected():
 
 
 def test_ps_strategy_trains_on_a_local_cluster():
-  """--strategy=ps: one PS process and one worker process; the same accuracy bar."""
-  result = demo.train(demo.Config(strategy="ps", seed=1))
+  """--strategy=ps: one PS process and one worker process running model.fit."""
+  result = demo.train(demo.Config(strategy="ps", seed=1, epochs=12))
   assert result["strategy"] == "ParameterServerStrategy"
   assert result["label"] == "ps, 1 tower"
   assert result["accuracy"] >= 0.95
+
+
+def test_unknown_loop_is_rejected():
+  with pytest.raises(ValueError, match=r"loop must be one of \('fit', 'custom'\). Received: "
+                                       r"loop='keras'"):
+    demo.train(demo.Config(towers=1, epochs=1, loop="keras"))

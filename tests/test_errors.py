@@ -167,3 +167,22 @@ def test_tower_timeout_fires_at_its_bound(no_thread_leak):
   stuck[0].join(10)
   assert not stuck[0].is_alive()
   assert _tower_threads.abandoned_tower_threads() == []
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_merge_call_in_a_tf_function_traced_by_a_tower_says_what_to_do(mode):
+  strategy = ds.MirroredStrategy(CPUS[:2])
+
+  @tf.function
+  def nested(x):  # Traced by tower 0, which would hold its lock while others wait.
+    return ds.get_tower_context().merge_call(lambda s, v: s.reduce("sum", v), x)
+
+  def step():
+    return strategy.call_for_each_tower(lambda: nested(tf.constant(1.0)))
+
+  with strategy.scope():
+    with pytest.raises(ds.errors.ContextError,
+                       match=r"merge_call\(\) was called in tower 0 of .* while the tower "
+                             r"was tracing a tf.function .* Put the tf.function around "
+                             r"call_for_each_tower"):
+      (tf.function(step) if mode == "function" else step)()

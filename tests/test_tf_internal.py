@@ -233,6 +233,17 @@ def test_keras_backing_variable():
   assert _tf_internal.keras_backing_variable(tf.constant(1.0)) is None
 
 
+def test_keras_optimizer_strategy():
+  strategy = ds.MirroredStrategy(CPUS[:2])
+  with strategy.scope():
+    inside = keras.optimizers.SGD(0.1)
+  outside = keras.optimizers.SGD(0.1)
+  captured = _tf_internal.keras_optimizer_strategy(inside)
+  assert getattr(captured, "diststrat_strategy", None) is strategy, _broke(
+      "keras_optimizer_strategy", f"Keras {keras.__version__} optimizers captured {captured!r}")
+  assert _tf_internal.keras_optimizer_strategy(outside) is tf.distribute.get_strategy()
+
+
 # --- protocols TensorFlow calls on diststrat's objects ---------------------------------------
 
 
@@ -445,3 +456,100 @@ def test_record_variable_read():
   tangent = jvp()
   assert tangent is not None and np.allclose(tangent, 6.0), _broke(
       "record_variable_read", f"forward-mode tangent in a graph {tangent}")
+
+
+# --- TensorFlow's distribution-mode stack, Keras variable origins --------------------------
+
+
+class _Stand:
+  """Stands for a strategy (and its replica context) in TensorFlow's mode stack."""
+
+  class extended:  # pylint: disable=invalid-name
+    _retrace_functions_for_each_device = False
+
+
+def test_tf_distribution_mode():
+  strategy, replica = _Stand(), _Stand()
+  with _tf_internal.tf_distribution_mode(strategy):
+    cross = (tf.distribute.get_strategy() is strategy, tf.distribute.has_strategy(),
+             tf.distribute.in_cross_replica_context())
+    with _tf_internal.tf_distribution_mode(strategy, replica):
+      inner = tf.distribute.get_replica_context() is replica
+    traced = []
+    tf.function(lambda: traced.append(tf.distribute.get_strategy() is strategy))()
+  assert cross == (True, True, True), _broke("tf_distribution_mode",
+                                             f"cross-replica entry not reported: {cross}")
+  assert inner, _broke("tf_distribution_mode", "the replica context is not reported")
+  assert traced == [True], _broke("tf_distribution_mode", "a traced function lost the entry")
+  assert not tf.distribute.has_strategy(), _broke("tf_distribution_mode", "entry left behind")
+
+
+def test_keras_variable_origin():
+  origins = []
+
+  def creator(next_creator, **kwargs):
+    origins.append(_tf_internal.keras_variable_origin())
+    return next_creator(**kwargs)
+
+  with tf.variable_creator_scope(creator):
+    keras.Variable(np.ones([2], np.float32))
+    keras.random.SeedGenerator(1)
+    tf.Variable(1.0)
+  assert origins == ["keras", "seed", None], _broke(
+      "keras_variable_origin", f"Keras {keras.__version__}: origins {origins}")
+
+
+def test_protocol_saved_model_exports_one_plain_variable(tmp_path):
+  strategy, v = _mirrored_variable(4.0)
+  module = tf.Module()
+  module.v = v
+  module.read = tf.function(lambda: v * 1.0, input_signature=[])
+  with strategy.scope():
+    strategy.call_for_each_tower(lambda: module.read())  # Traced in towers: both copies.
+  tf.saved_model.save(module, str(tmp_path / "saved"))
+  loaded = tf.saved_model.load(str(tmp_path / "saved"))
+  assert float(loaded.read()) == 4.0 and type(loaded.v).__name__ != "MirroredVariable", _broke(
+      "protocols _export_to_saved_model_graph/_write_object_proto", f"loaded {loaded.v!r}")
+
+
+def test_protocol_distributed_container_keys_keras_slots():
+  strategy, v = _mirrored_variable(1.0)
+  with strategy.scope():
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    optimizer.build([v])
+    keys = strategy.update(v, lambda component: optimizer._var_key(component))  # pylint: disable=protected-access
+  # One key for every copy (regroup keeps one equal object), the variable's own.
+  assert keys == optimizer._var_key(v), _broke(  # pylint: disable=protected-access
+      "protocol _distributed_container", f"a Keras optimizer keys the copies apart: {keys}")
+
+
+def test_protocol_tf_distribute_bridge_extended():
+  strategy = ds.MirroredStrategy(CPUS[:2])
+  traces = []
+  traced = tf.function(lambda x: traces.append(1) or x + 1.0)
+
+  def tower_fn():
+    merged = tf.__internal__.distribute.interim.maybe_merge_call(
+        lambda s: ds.get_cross_tower_context() is strategy, tf.distribute.get_strategy())
+    traced(tf.constant(1.0))
+    return merged
+
+  with strategy.scope():
+    merged = strategy.call_for_each_tower(tower_fn)
+  assert merged is True, _broke("protocol _use_merge_call", "maybe_merge_call did not merge")
+  assert len(traces) == 2, _broke("protocol _retrace_functions_for_each_device",
+                                  f"{len(traces)} traces for 2 tower devices")
+
+
+def test_tf_distribution_mode_fails_loudly_without_the_stack(monkeypatch):
+  class _Graphless:  # A TensorFlow whose graphs lost the per-thread distribution stack.
+    @staticmethod
+    def get_default_graph():
+      return object()
+
+  monkeypatch.setattr(_tf_internal, "_ops", _Graphless)
+  with pytest.raises(_tf_internal.TensorFlowInternalsError,
+                     match=r"Graph._distribution_strategy_stack.*Keras would train on one "
+                           r"device under diststrat"):
+    with _tf_internal.tf_distribution_mode(_Stand()):
+      pass

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import diststrat as ds
 from diststrat.values import DistributedValues, Mirrored, PerDevice, regroup, select_device
+from diststrat.values import _wrapped
 from conftest import CPUS
 
 Point = collections.namedtuple("Point", ["x", "y"])
@@ -142,3 +143,14 @@ def test_unwrap_accepts_keras_variables():
     layer = keras.layers.Dense(2)
     layer.build((None, 3))
     assert len(s.unwrap(layer.kernel)) == 2
+
+
+def test_flatten_and_pack_as_round_trip():
+  pair = collections.namedtuple("Pair", ["a", "b"])
+  structure = {"x": [1, (2, pair(3, None))], "y": 4}
+  leaves = _wrapped.flatten(structure)
+  assert leaves == [1, 2, 3, 4]
+  assert _wrapped.pack_as(structure, [10 * v for v in leaves]) == {
+      "x": [10, (20, pair(30, None))], "y": 40}
+  with pytest.raises(ValueError, match=r"pack_as\(\) got more leaves than the structure has"):
+    _wrapped.pack_as(structure, leaves + [5])

@@ -26,16 +26,28 @@ class DistributedOptimizerMixin:
   """
 
   def _loss_scale(self):
+    """1/num_towers for a "mean" loss; the tower's share n_i/B of a split batch if known.
+
+    With the share, a batch whose size the towers do not divide (a ragged last batch)
+    still gives one device's gradient: each tower's mean loss weighs by its examples.
+    """
     if self._loss_reduction != "mean":
       return 1.0
     tower = _context.get_tower_context()
+    if tower is not None and tower.batch_share is not None:
+      return tower.batch_share
     num_towers = tower.num_towers if tower is not None else \
         _context.get_distribution_strategy().num_towers
     return 1.0 / num_towers
 
   @tf.autograph.experimental.do_not_convert
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-    """From a tower: merges the towers' gradients and applies them (see the class doc)."""
+    """From a tower: merges the towers' gradients and applies them (see the class doc).
+
+    Returns:
+      `global_step` if given (incremented once per step), else None: values a
+      `tf.function` can return.
+    """
     grads_and_vars = list(grads_and_vars)
     if not _context.has_distribution_strategy():
       return super().apply_gradients(grads_and_vars, global_step=global_step, name=name)
@@ -68,4 +80,4 @@ class DistributedOptimizerMixin:
       with _optimizer.control_dependencies(deps):
         distribution.update(global_step, lambda step: step.assign_add(
             tf.ones([], step.dtype), read_value=False))
-    return distribution.group(finish)
+    return global_step

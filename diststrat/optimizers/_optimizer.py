@@ -118,7 +118,7 @@ class Optimizer(tf.Module):
         if var_list is not None:
           tape.watch([as_tf_variable(v) for v in var_list])
         loss_value = loss()
-        if scale != 1.0:
+        if not _is_one(scale):
           loss_value = loss_value * tf.cast(scale, loss_value.dtype)
       if var_list is None:
         var_list = tape.watched_variables()
@@ -131,13 +131,18 @@ class Optimizer(tf.Module):
       if var_list is None:
         var_list = tape.watched_variables()
       grads = tape.gradient(loss, [as_tf_variable(v) for v in var_list])
-      if scale != 1.0:
+      if not _is_one(scale):
         grads = [_scale(g, scale) for g in grads]
     return [(g, v) for g, v in zip(grads, var_list) if g is not None]
 
   @tf.autograph.experimental.do_not_convert
   def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-    """Applies gradients to variables; increments `global_step` by one if given."""
+    """Applies gradients to variables; increments `global_step` by one if given.
+
+    Returns:
+      `global_step` if given, else None: values a `tf.function` can return (inside one,
+      every update runs whether or not its result is used).
+    """
     pairs = self._check_pairs(grads_and_vars)
     var_list = [v for _, v in pairs]
     self._create_state(var_list, _context.get_distribution_strategy())
@@ -147,7 +152,7 @@ class Optimizer(tf.Module):
     if global_step is not None:
       with control_dependencies([finish]):
         as_tf_variable(global_step).assign_add(tf.ones([], global_step.dtype))
-    return finish
+    return global_step
 
   @tf.autograph.experimental.do_not_convert
   def build(self, var_list):
@@ -162,7 +167,7 @@ class Optimizer(tf.Module):
 
   @tf.autograph.experimental.do_not_convert
   def minimize(self, loss, var_list=None, global_step=None, name=None, tape=None):
-    """`compute_gradients` then `apply_gradients`."""
+    """`compute_gradients` then `apply_gradients`; returns what `apply_gradients` returns."""
     grads_and_vars = self.compute_gradients(loss, var_list=var_list, tape=tape)
     return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
@@ -282,6 +287,11 @@ class Optimizer(tf.Module):
     unique, positions = tf.unique(grad.indices)
     values = tf.math.unsorted_segment_sum(grad.values, positions, tf.shape(unique)[0])
     return tf.IndexedSlices(values, unique, grad.dense_shape)
+
+
+def _is_one(scale):
+  """True when `scale` is the number 1 (a tensor scale always applies)."""
+  return isinstance(scale, (int, float)) and scale == 1.0
 
 
 def _scale(grad, scale):

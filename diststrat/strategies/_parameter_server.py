@@ -8,12 +8,14 @@ from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _context
 from diststrat import _devices
+from diststrat import _tf_internal
 from diststrat import cross_tower_ops
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
 from diststrat.cluster import _connection
 from diststrat.cluster import _read_cache
 from diststrat.strategies import _tower_threads
+from diststrat.values import _variables
 from diststrat.values import _wrapped
 
 _POLICIES = ("least_loaded", "round_robin")
@@ -366,7 +368,25 @@ class ParameterServerStrategy(DistributionStrategy):
         kwargs["initial_value"] = _arguments.initial_value_tensor(kwargs)
         device = self._placer.place(kwargs.get("name"), kwargs["initial_value"].shape,
                                     kwargs["initial_value"].dtype)
-      return self._make_variable(device, next_creator, kwargs)
+      return self._wrap_if_written_in_towers(
+          self._make_variable(device, next_creator, kwargs), device, kwargs)
+
+  def _wrap_if_written_in_towers(self, variable, device, kwargs):
+    """`variable`, or a one-copy `MirroredVariable` of it if towers write it as one.
+
+    Towers write a variable with an aggregation (such as a Keras optimizer's step
+    counter, ONLY_FIRST_REPLICA) and Keras's non-trainable state (batch normalization's
+    moving statistics, random seed states): wrapped, their tower writes are merged and
+    applied once per step, as under `MirroredStrategy`, instead of once per tower. Other
+    variables stay plain `tf.Variable`s on their parameter device.
+    """
+    aggregation = kwargs.get("aggregation") or tf.VariableAggregation.NONE
+    on_read = kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
+    keras_state = (_tf_internal.keras_variable_origin() is not None
+                   and kwargs.get("trainable") is False)
+    if not on_read and (aggregation != tf.VariableAggregation.NONE or keras_state):
+      return _variables.MirroredVariable({device: variable}, aggregation, self)
+    return _variables.mark_created_by(variable, self)
 
   def _make_variable(self, device, next_creator, kwargs):
     """Creates the variable on `device`.

@@ -17,8 +17,10 @@ once; the thread is left to finish in the background (it unwinds at its next
 """
 
 import contextlib
+import inspect
 import logging
 import threading
+import types
 
 from diststrat._tf import tf
 from diststrat import _context
@@ -56,8 +58,8 @@ class _Aborted(BaseException):
 class ThreadedTowerContext(_context.TowerContext):
   """The `TowerContext` of a tower run in its own thread: `merge_call` pauses it."""
 
-  def __init__(self, tower, strategy, tower_id, num_towers, device):
-    super().__init__(strategy, tower_id, num_towers, device)
+  def __init__(self, tower, strategy, tower_id, num_towers, device, batch_share=None):
+    super().__init__(strategy, tower_id, num_towers, device, batch_share)
     self._tower = tower
 
   @property
@@ -66,17 +68,27 @@ class ThreadedTowerContext(_context.TowerContext):
     return self._tower.runner.step_cache
 
   def _merge_call(self, merge_fn, args, kwargs):
+    if self._tower.tracing_its_own_graph():
+      raise errors.ContextError(
+          f"merge_call() was called in tower {self.tower_id} of {self.distribution_strategy!r} "
+          "while the tower was tracing a tf.function (or a tf.cond/tf.while_loop branch) "
+          "of its own, which cannot merge with the other towers: they would wait for that "
+          "trace to finish, and it waits for them. Received: a merge_call inside a graph "
+          "the tower started building. Put the tf.function around call_for_each_tower "
+          "(trace the whole step), or keep merge_call, apply_gradients and synchronized "
+          "layers out of tf.functions and control flow inside the tower function.")
     return self._tower.pause_for_merge(merge_fn, args, kwargs)
 
 
 class _Tower:
   """One tower's thread and the hand-over state between it and the calling thread."""
 
-  def __init__(self, runner, index, device, fn, args, kwargs):
+  def __init__(self, runner, index, device, fn, args, kwargs, batch_share=None):
     self.runner = runner
     self.index = index  # Among this runner's towers.
     self.tower_id = runner.first_tower_id + index  # Among all towers of the strategy.
     self.device = device
+    self.batch_share = batch_share
     self._fn, self._args, self._kwargs = fn, args, kwargs
     self.go = threading.Event()      # caller -> tower: run until the next pause
     self.paused = threading.Event()  # tower -> caller: at merge_call, or finished
@@ -105,7 +117,8 @@ class _Tower:
     try:
       self._wait_for_go()
       context = ThreadedTowerContext(self, self.runner.strategy, self.tower_id,
-                                     self.runner.num_towers, self.device)
+                                     self.runner.num_towers, self.device,
+                                     self.batch_share)
       with self.runner.captured.enter(device=self.device), \
           self.runner.strategy._tower_scope(context):  # pylint: disable=protected-access
         self.result = self._fn(*self._args, **self._kwargs)
@@ -117,6 +130,16 @@ class _Tower:
       self.done = True
       self.running = False
       self.paused.set()
+
+  def tracing_its_own_graph(self):
+    """True while this tower builds a graph other than the one it started in.
+
+    Inside a `tf.init_scope` (eager again) is not: nothing is being traced there.
+    """
+    if tf.executing_eagerly():
+      return False
+    return self.runner.captured.eager or (
+        tf.compat.v1.get_default_graph() is not self.runner.captured.graph)
 
   def shared_variable(self, kwargs, create):
     """Tower 0 creates each variable (with `create()`); tower i's n-th gets tower 0's n-th.
@@ -191,8 +214,9 @@ class TowerRunner:
     self.captured = _context.ThreadState()
     if not self.captured.eager:
       fn = _autograph(fn)
+    shares = _wrapped.batch_shares((args, kwargs)) or {}
     towers = [_Tower(self, i, d, fn, _wrapped.select_device(d, args),
-                     _wrapped.select_device(d, kwargs))
+                     _wrapped.select_device(d, kwargs), shares.get(d))
               for i, d in enumerate(self.devices)]
     for tower in towers:
       tower.thread.start()
@@ -282,7 +306,7 @@ class TowerRunner:
     groups = []  # [(merge_fn, [tower ids])], by sameness
     for tower in towers:
       for fn, ids in groups:
-        if _same_function(fn, tower.merge_fn):
+        if _context.same_merge_fn(fn, tower.merge_fn):
           ids.append(tower.tower_id)
           break
       else:
@@ -300,22 +324,6 @@ class TowerRunner:
       tower.go.set()
 
 
-def _same_function(a, b):
-  """Whether two merge_fns are the same function: equal, or closures of one `def`.
-
-  Each tower runs the same code, so a function defined inside the tower function is a
-  new object in every tower; it is still the same function if its code is.
-  """
-  if a is b or a == b:
-    return True
-  self_a, self_b = getattr(a, "__self__", None), getattr(b, "__self__", None)
-  if self_a is not self_b:
-    return False
-  code_a = getattr(getattr(a, "__func__", a), "__code__", None)
-  code_b = getattr(getattr(b, "__func__", b), "__code__", None)
-  return code_a is not None and code_a is code_b
-
-
 def _describe_fn(fn):
   """A function's name, the same whether or not AutoGraph converted it."""
   name = getattr(fn, "__name__", None) or type(fn).__name__
@@ -331,6 +339,9 @@ def _autograph(fn):
   """
   if getattr(fn, "autograph_info__", None) is not None or not callable(fn):
     return fn
+  if inspect.ismethod(fn):  # AutoGraph converts the function; bind it again.
+    converted = _autograph(fn.__func__)
+    return fn if converted is fn.__func__ else types.MethodType(converted, fn.__self__)
   try:
     return tf.autograph.to_graph(fn)
   except Exception:  # pylint: disable=broad-except

@@ -4,15 +4,26 @@
 `TowerLocalVariable` lets each tower write its own copy and aggregates them on read.
 
 Both subclass `tf.Variable`, so TensorFlow ops, operators, `tf.GradientTape`, `tf.Module`,
-Keras 3 layers and `tf.train.Checkpoint` accept them. Every read and write goes to one
-component chosen by context (`_component()`), so there is no operator code here: the
-operators `tf.Variable` defines call `value()`.
+Keras 3 layers, `tf.train.Checkpoint` and `tf.saved_model.save` accept them. Every read
+and write goes to one component chosen by context (`_component()`), so there is no
+operator code here: the operators `tf.Variable` defines call `value()`.
+
+State that Keras 3 keeps in variables and writes inside the model's call (batch
+normalization's moving statistics, the state of a `SeedGenerator`) is created with
+aggregation NONE. A `MirroredVariable` that Keras made is therefore written in a tower by
+merging the towers' values (a mean weighted by each tower's share of the batch; integers
+take tower 0's value), so its copies never diverge; a seed generator's state is read in
+tower i > 0 with i hashed in, so each tower draws its own random stream. See
+docs/keras.md.
 """
+
+import weakref
 
 import numpy as np
 
 from diststrat._tf import tf
 from diststrat import _context
+from diststrat import _tf_internal
 from diststrat.values import _wrapped
 
 _VARIABLE_VALUE = "VARIABLE_VALUE"  # The key a plain tf.Variable saves its value under.
@@ -21,6 +32,25 @@ _VARIABLE_VALUE = "VARIABLE_VALUE"  # The key a plain tf.Variable saves its valu
 def _in_real_tower():
   tower = _context.get_tower_context()
   return tower is not None and tower is not _context.default_tower_context()
+
+
+def mark_created_by(variable, strategy):
+  """Records that `strategy` created the plain `tf.Variable` `variable` (see `created_by`)."""
+  variable._diststrat_strategy = strategy  # pylint: disable=protected-access
+  return variable
+
+
+def created_by(variable):
+  """The strategy that created `variable` (a distributed or a marked plain one), or None."""
+  if isinstance(variable, DistributedVariable):
+    return variable.distribution_strategy
+  return getattr(variable, "_diststrat_strategy", None)
+
+
+def _fold_tower_id(value, tower_id):
+  """A random seed with `tower_id` hashed in, of `value`'s dtype (a stream per tower)."""
+  seed = tf.random.experimental.stateless_fold_in(tf.cast(value, tf.int64), tower_id)
+  return tf.cast(seed, value.dtype)
 
 
 class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
@@ -38,8 +68,13 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     _wrapped.DistributedValues.__init__(self, index)
     self._aggregation = aggregation
     self._strategy = strategy
+    # Made inside a variable creator: the creating frames say whether Keras made it.
+    self._keras_origin = _tf_internal.keras_variable_origin()
+    container = weakref.ref(self)
     for component in self._index.values():
       component._diststrat_container = self  # pylint: disable=protected-access
+      # How a Keras optimizer finds, from the copy it updates, the variable it keys on.
+      component._distributed_container = container  # pylint: disable=protected-access
 
   # --- which component a read or write uses ---
 
@@ -135,13 +170,20 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
 
   # --- reads ---
 
+  def _tower_stream(self, value):
+    """A Keras seed state read in tower i > 0 gets i hashed in; anything else as it is."""
+    if self._keras_origin != "seed" or not _in_real_tower():
+      return value
+    tower_id = _context.get_tower_context().tower_id
+    return _fold_tower_id(value, tower_id) if tower_id else value
+
   @tf.autograph.experimental.do_not_convert
   def value(self):
-    return self._component().value()
+    return self._tower_stream(self._component().value())
 
   @tf.autograph.experimental.do_not_convert
   def read_value(self):
-    return self._component().read_value()
+    return self._tower_stream(self._component().read_value())
 
   @tf.autograph.experimental.do_not_convert
   def sparse_read(self, indices, name=None):
@@ -158,7 +200,8 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
 
   def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
     # pylint: disable=protected-access
-    return self._component()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
+    value = self._component()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
+    return value if as_ref else self._tower_stream(value)
 
   def __array__(self, dtype=None, copy=None):
     del copy  # numpy() always returns a new array.
@@ -230,6 +273,27 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     self.primary._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
     object_map[self] = object_map[self.primary]
 
+  # --- SavedModel: one plain variable, the primary copy ---
+
+  def _export_to_saved_model_graph(self, object_map=None, tensor_map=None, options=None,
+                                   **kwargs):
+    # The exported functions may have captured any copy's handle (each was traced in
+    # some context): every copy stands for the primary's exported variable.
+    # pylint: disable=protected-access
+    primary = self.primary
+    resources = primary._export_to_saved_model_graph(
+        object_map=object_map, tensor_map=tensor_map, options=options, **kwargs)
+    for component in self._index.values():
+      if component is not primary:
+        object_map[component] = object_map[primary]
+        tensor_map[component.handle] = tensor_map[primary.handle]
+        resources.append(component.handle)
+    object_map[self] = object_map[primary]
+    return resources
+
+  def _write_object_proto(self, proto, options):
+    self.primary._write_object_proto(proto, options)  # pylint: disable=protected-access
+
 
 class MirroredVariable(DistributedVariable):
   """A variable with one copy per device, kept equal.
@@ -256,8 +320,14 @@ class MirroredVariable(DistributedVariable):
 
   def _write(self, method, value, read_value):
     if not _in_real_tower():
+      device = _context.get_update_device()
+      if device is not None and device in self._index:
+        # Inside update(): the function runs once per copy, each writing its own.
+        return self._write_one(device, method, value, read_value)
       return self._write_all(method, value, read_value)
     if self._aggregation == tf.VariableAggregation.NONE:
+      if self._keras_origin is not None:
+        return self._merge_tower_writes(method, value, read_value)
       raise ValueError(
           f"Cannot {method}() the mirrored variable {self.name!r} in a tower context "
           "with aggregation NONE: diststrat would not know how to combine the towers' "
@@ -275,6 +345,45 @@ class MirroredVariable(DistributedVariable):
           v, read_value=False), value)
 
     _context.get_tower_context().merge_call(merge_fn, value)
+    if read_value:
+      return self
+    return None if tf.executing_eagerly() else tf.no_op()
+
+  def _write_one(self, device, method, value, read_value):
+    op = getattr(self._index[device], method)(_wrapped.select_device(device, value),
+                                              read_value=False)
+    if read_value:
+      return self
+    return None if tf.executing_eagerly() else op
+
+  def _merge_tower_writes(self, method, value, read_value):
+    """A Keras-made NONE variable written in towers: merge the towers' values, write all.
+
+    Floats: the towers' values averaged, each weighted by its tower's share of the batch
+    (so batch normalization's moving mean equals one device's); integers (a seed
+    state, the same in every tower): tower 0's.
+    """
+    tower = _context.get_tower_context()
+    value = tf.convert_to_tensor(value, dtype=self.dtype)
+    share = tower.batch_share
+    weight = 1.0 / tower.num_towers if share is None else share
+    floating = self.dtype.is_floating
+    weight = tf.cast(weight, self.dtype) if floating else None
+
+    def merge_fn(strategy, value, weight):
+      parts = strategy.unwrap(value)
+      if floating:
+        weights = strategy.unwrap(weight)
+        weights = weights * len(parts) if len(weights) == 1 else weights
+        with tf.device(self.devices[0]):
+          # multiply_no_nan: a tower that got no example weighs 0 and may hold NaN.
+          merged = tf.add_n([tf.math.multiply_no_nan(p, w) for p, w in zip(parts, weights)])
+      else:
+        merged = parts[0]
+      return strategy.update(self, lambda component, v: getattr(component, method)(
+          v, read_value=False), merged)
+
+    tower.merge_call(merge_fn, value, weight)
     if read_value:
       return self
     return None if tf.executing_eagerly() else tf.no_op()

@@ -115,6 +115,55 @@ class Mirrored(_NestedValues):
   _holds_copies = True
 
 
+class BatchParts(PerDevice):
+  """A `PerDevice` whose components are the parts of one global batch, in tower order.
+
+  `distribute_dataset` (and Keras's `fit` under diststrat) split batches into these, so
+  `call_for_each_tower` knows each tower's share of the batch (`TowerContext.batch_share`).
+
+  Args:
+    index: device -> this process's parts.
+    global_size: the number of examples in the whole global batch, when this process
+      holds only some of its parts (several worker processes): an int or a scalar
+      tensor. None: the parts are the whole batch.
+  """
+
+  def __init__(self, index, global_size=None):
+    super().__init__(index)
+    self.global_size = global_size
+
+  def __tf_flatten__(self):
+    if self.global_size is None:
+      return (type(self), self.devices, False), self.values
+    return (type(self), self.devices, True), self.values + (self.global_size,)
+
+  @classmethod
+  def __tf_unflatten__(cls, metadata, components):
+    wrapped_class, devices, sized = metadata
+    if sized:
+      return wrapped_class(dict(zip(devices, components[:-1])), global_size=components[-1])
+    return wrapped_class(dict(zip(devices, components)))
+
+
+def batch_shares(structure):
+  """Each component's share of the first `BatchParts` in `structure`, or None.
+
+  Returns a dict device -> n_i / B: Python floats when the parts' sizes are static,
+  float32 scalar tensors otherwise (0 for every part of an empty batch).
+  """
+  parts = next((leaf for leaf in flatten(structure) if isinstance(leaf, BatchParts)), None)
+  if parts is None:
+    return None
+  sizes = [p.shape[0] if p.shape.rank else None for p in parts.values]
+  total = parts.global_size
+  if all(isinstance(n, int) for n in sizes) and (total is None or isinstance(total, int)):
+    total = sum(sizes) if total is None else total
+    return {d: (n / total if total else 0.0) for d, n in zip(parts.devices, sizes)}
+  counts = [tf.cast(tf.shape(p)[0], tf.float32) for p in parts.values]
+  total = tf.add_n(counts) if total is None else tf.cast(total, tf.float32)
+  return {d: tf.math.divide_no_nan(c, total) for d, c in zip(parts.devices, counts)}
+
+
 def _implicit_device():
   """The device `get()` means with no argument, or None when nothing names one."""
   tower = _context.get_tower_context()
@@ -226,6 +275,55 @@ def _regroup(items, devices, roots, wrap_class):
       item is container.get(d) for item, d in zip(items, container.devices)):
     return container
   return wrap_class(dict(zip(devices, items)))
+
+
+def flatten(structure):
+  """The leaves of a nested structure, in order; wrapped values are leaves, None is not.
+
+  The structures are those `regroup` knows (lists, tuples, namedtuples, dicts).
+  """
+  if structure is None:
+    return []
+  if isinstance(structure, (list, tuple)):
+    return [leaf for item in structure for leaf in flatten(item)]
+  if isinstance(structure, dict):
+    return [leaf for value in structure.values() for leaf in flatten(value)]
+  return [structure]
+
+
+def pack_as(structure, leaves):
+  """`structure` with its leaves replaced, in order, by `leaves` (the inverse of `flatten`).
+
+  Example:
+    >>> from diststrat.values import _wrapped
+    >>> _wrapped.pack_as({"a": [1, None], "b": 2}, ["x", "y"])
+    {'a': ['x', None], 'b': 'y'}
+  """
+  leaves = iter(leaves)
+  packed = _pack(structure, leaves)
+  if next(leaves, _END) is not _END:
+    raise ValueError("pack_as() got more leaves than the structure has.")
+  return packed
+
+
+_END = object()
+
+
+def _pack(x, leaves):
+  if x is None:
+    return None
+  if _is_namedtuple(x):
+    return type(x)(*[_pack(v, leaves) for v in x])
+  if isinstance(x, (list, tuple)):
+    return type(x)(_pack(v, leaves) for v in x)
+  if isinstance(x, dict):
+    return {k: _pack(v, leaves) for k, v in x.items()}
+  return next(leaves)
+
+
+def is_structure(x):
+  """True for the containers `flatten` opens (list, tuple, namedtuple, dict)."""
+  return isinstance(x, (list, tuple, dict))
 
 
 def select_device(device, structure):

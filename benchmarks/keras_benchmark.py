@@ -1,0 +1,255 @@
+"""Keras `model.fit` under diststrat against tf.distribute, in one run.
+
+The same Keras 3 model, built and compiled in each contender's scope, trained with
+`model.fit` on the same global batches:
+
+  - diststrat `MirroredStrategy` on 4 logical CPU devices (or the GPUs), with its default
+    reduction and with `ReductionToOneDevice`;
+  - `tf.distribute.MirroredStrategy` on the same devices, with its default cross-device
+    ops and with `tf.distribute.ReductionToOneDevice`;
+  - no strategy (one device, the whole global batch).
+
+Two models: an MLP 784-1024-1024-10 (global batch 256) and the demo's CNN on 8x8x1 images
+(global batch 256). Each model runs in a fresh process (tf.distribute keeps one collective
+group per process), where every contender is built, traced and warmed up, then timed in
+interleaved blocks of `model.fit(steps_per_epoch=...)` calls, the order alternating each
+round (this machine drifts up to 2x between processes, so only same-process ratios mean
+anything). diststrat never uses tf.distribute: it is only the peer here.
+
+Usage:
+  python benchmarks/keras_benchmark.py --out benchmarks/results/keras.json
+  python benchmarks/keras_benchmark.py --quick   # a short smoke run
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+flags.DEFINE_string("out", "benchmarks/results/keras.json", "Where to write the JSON report.")
+flags.DEFINE_bool("quick", False, "A short smoke run (the MLP only, 2 rounds).")
+flags.DEFINE_integer("rounds", None, "Timed blocks per contender (default 7; 2 with --quick).")
+flags.DEFINE_integer("steps", None, "Training steps per timed block (default 20; 5 with --quick).")
+flags.DEFINE_integer("num_devices", 4, "Towers: logical CPU devices, or the GPUs if any.",
+                     lower_bound=1)
+flags.DEFINE_string("group", None, "Internal: run one model's contenders in this process.")
+FLAGS = flags.FLAGS
+
+BATCH = 256
+LR = 0.01
+
+
+def configure_devices(towers):
+  gpus = tf.config.list_physical_devices("GPU")
+  if gpus:
+    return [d.name for d in tf.config.list_logical_devices("GPU")][:towers]
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * towers)
+  return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+# --- the model and its data, the same for every contender --------------------------------
+
+
+def make_model(kind):
+  import keras  # pylint: disable=g-import-not-at-top
+  if kind == "mlp":
+    layers = [keras.Input((784,)), keras.layers.Dense(1024, activation="relu"),
+              keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(10)]
+  else:  # The demo's CNN (diststrat/demo.py; importing it defines the demo's flags too).
+    from diststrat import demo  # pylint: disable=g-import-not-at-top
+    return demo.make_model()
+  return keras.Sequential(layers)
+
+
+def make_dataset(kind):
+  rng = np.random.default_rng(0)
+  shape = (784,) if kind == "mlp" else (8, 8, 1)
+  x = rng.standard_normal((4 * BATCH,) + shape).astype(np.float32)
+  y = rng.integers(0, 10, 4 * BATCH).astype(np.int32)
+  return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+
+
+def build(kind, scope):
+  """A compiled model, created in `scope` (a context manager, or None for no strategy)."""
+  import keras  # pylint: disable=g-import-not-at-top
+
+  def make():
+    keras.utils.set_random_seed(0)
+    model = make_model(kind)
+    model.compile(optimizer=keras.optimizers.SGD(LR),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+  if scope is None:
+    return make()
+  with scope:
+    return make()
+
+
+# --- contenders: (label, library, scope factory or None) ---------------------------------
+
+_TF_STRATEGIES = {}
+
+
+def tf_strategy(devices, ops_name):
+  """One tf.distribute strategy per cross-device ops (two would share collective keys)."""
+  if ops_name not in _TF_STRATEGIES:
+    ops = {"default": None, "one_device": tf.distribute.ReductionToOneDevice}[ops_name]
+    _TF_STRATEGIES[ops_name] = tf.distribute.MirroredStrategy(
+        list(devices), cross_device_ops=ops() if ops else None)
+  return _TF_STRATEGIES[ops_name]
+
+
+def contenders(devices):
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  result = [
+      ("diststrat", "diststrat", lambda: ds.MirroredStrategy(devices).scope()),
+      ("diststrat one_device", "diststrat", lambda: ds.MirroredStrategy(
+          devices, cross_tower_ops=ds.cross_tower_ops.ReductionToOneDevice()).scope()),
+  ]
+  for name in ("default", "one_device"):
+    result.append((f"tf.distribute {name}", "tf.distribute",
+                   lambda name=name: tf_strategy(devices, name).scope()))
+  result.append(("no strategy (1 device)", "none", None))
+  return result
+
+
+def describe_reduction(label, devices):
+  """The reduction each contender uses, in words (for the report)."""
+  if label == "diststrat":
+    import diststrat as ds  # pylint: disable=g-import-not-at-top
+    return repr(ds.MirroredStrategy(devices).cross_tower_ops)
+  if label == "tf.distribute default":
+    strategy = tf_strategy(devices, "default")
+    return type(strategy.extended._cross_device_ops).__name__  # pylint: disable=protected-access
+  return {"diststrat one_device": "ReductionToOneDevice()",
+          "tf.distribute one_device": "ReductionToOneDevice",
+          "no strategy (1 device)": "-"}[label]
+
+
+# --- measurement ------------------------------------------------------------------------
+
+
+class _StepClock:
+  """A Keras callback: the time from the end of a fit call's first step to its last.
+
+  So each block times steady-state training steps, not what every `fit` call pays
+  before its first step (callbacks, the epoch iterator; tf.distribute also builds a
+  distributed iterator per call).
+  """
+
+  def __init__(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    self.callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=self._batch_end, on_train_begin=self._begin)
+    self.first = self.last = None
+
+  def _begin(self, logs=None):
+    self.first = self.last = None
+
+  def _batch_end(self, batch, logs=None):
+    now = time.perf_counter()
+    if self.first is None:
+      self.first = now
+    self.last = now
+
+
+def fit_block(model, dataset, steps, clock=None):
+  """Runs `steps` training steps; returns the seconds of all but the first."""
+  clock = clock or _StepClock()
+  model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
+            callbacks=[clock.callback])
+  return clock.last - clock.first
+
+
+def run_group(kind, towers, rounds, steps):
+  devices = configure_devices(towers)
+  entries = []
+  for label, library, scope in contenders(devices):
+    dataset = make_dataset(kind)
+    start = time.perf_counter()
+    model = build(kind, scope() if scope else None)
+    fit_block(model, dataset, 1)  # Traces the step.
+    first_call = time.perf_counter() - start
+    entries.append({"label": label, "library": library, "model": model, "dataset": dataset,
+                    "first_call_s": first_call, "examples_per_s": [],
+                    "reduction": describe_reduction(label, devices)})
+  for entry in entries:  # Warm up every contender before timing any.
+    fit_block(entry["model"], entry["dataset"], steps)
+  for r in range(rounds):
+    for entry in entries if r % 2 == 0 else list(reversed(entries)):
+      elapsed = fit_block(entry["model"], entry["dataset"], steps + 1)
+      entry["examples_per_s"].append(steps * BATCH / elapsed)
+  for entry in entries:
+    del entry["model"], entry["dataset"]
+    values = sorted(entry.pop("examples_per_s"))
+    entry["throughput"] = {"median": statistics.median(values), "min": values[0],
+                           "max": values[-1]}
+    entry.update(model=kind, towers=len(devices))
+  return entries
+
+
+def run_in_subprocess(kind, args, rounds, steps):
+  cmd = [sys.executable, os.path.abspath(__file__), "--group", kind, "--rounds", str(rounds),
+         "--steps", str(steps), "--num_devices", str(args.num_devices)]
+  out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+  if out.returncode != 0:
+    raise RuntimeError(f"benchmark group {kind} failed:\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def print_table(kind, entries):
+  tf_entries = [e for e in entries if e["library"] == "tf.distribute"]
+  best_tf = max(tf_entries, key=lambda e: e["throughput"]["median"])
+  none = next(e for e in entries if e["library"] == "none")
+  print(f"\n### {kind}, {entries[0]['towers']} towers, global batch {BATCH}: model.fit "
+        "examples/s (median, min-max over blocks)\n")
+  print("| contender | reduction | examples/s | vs best tf.distribute | vs no strategy | "
+        "first fit call (s) |")
+  print("|---|---|---|---|---|---|")
+  for e in entries:
+    t = e["throughput"]
+    print(f"| {e['label']} | {e['reduction']} | {t['median']:.0f} ({t['min']:.0f}-"
+          f"{t['max']:.0f}) | {t['median'] / best_tf['throughput']['median']:.2f}x | "
+          f"{t['median'] / none['throughput']['median']:.2f}x | {e['first_call_s']:.2f} |")
+  sys.stdout.flush()
+
+
+def main(argv):
+  del argv  # Flags only.
+  args = FLAGS
+  rounds = args.rounds or (2 if args.quick else 7)
+  steps = args.steps or (5 if args.quick else 20)
+  if args.group:
+    print(json.dumps(run_group(args.group, args.num_devices, rounds, steps)))
+    return
+  report = {"tensorflow": tf.__version__, "rounds": rounds, "steps_per_block": steps,
+            "command": " ".join(sys.argv), "results": []}
+  try:
+    import keras  # pylint: disable=g-import-not-at-top
+    report["keras"] = keras.__version__
+  except ImportError:
+    pass
+  for kind in (["mlp"] if args.quick else ["mlp", "cnn"]):
+    entries = run_in_subprocess(kind, args, rounds, steps)
+    report["results"].extend(entries)
+    print_table(kind, entries)
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(report, f, indent=2)
+  print(f"\nJSON written to {args.out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

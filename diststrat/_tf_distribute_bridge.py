@@ -1,0 +1,463 @@
+"""The tf.distribute bridge: diststrat's contexts, as seen by tf.distribute-aware code.
+
+Keras 3 (TensorFlow backend) and parts of TensorFlow learn about distribution only
+through `tf.distribute.get_strategy()`, `get_replica_context()` and friends, which read a
+per-thread stack that TensorFlow keeps. While a thread is in a diststrat context of a
+real strategy, that stack holds an entry naming a `StrategyAdapter` (cross-tower
+context) or a `ReplicaContextAdapter` (a tower): small objects that answer the part of
+the tf.distribute interface Keras uses by calling diststrat. No tf.distribute strategy
+is created or used; TensorFlow's and Keras's own code is not patched.
+
+What Keras then does by itself, unchanged:
+
+* A model created inside `strategy.scope()` keeps the adapter, and `fit`, `evaluate`
+  and `predict` call `adapter.run(step, args=(global_batch,))` inside their traced step.
+  `run` splits each batch across the towers (`_input.split_batch`), runs the step in
+  every tower with `call_for_each_tower`, and returns the model's metrics read once more
+  in cross-tower context (exact over all towers), or the towers' predictions
+  concatenated in input order.
+* A Keras optimizer sums its gradients with `ReplicaContextAdapter.all_reduce` and
+  applies them through `merge_call` and `extended.update`: once per copy of each
+  variable.
+* Keras losses divide a tower's mean loss by `num_replicas_in_sync`, which in a tower
+  given part of a batch is `TowerShare`: it divides by B / n_i, so a ragged batch weighs
+  each tower by its examples.
+* `BatchNormalization(synchronized=True)` all-reduces its moments (differentiably).
+
+This module registers itself with the context module (`_context.add_mode_listener`)
+when imported; `_strategy.py` imports it, so every strategy has it. See docs/keras.md.
+"""
+
+from diststrat._tf import tf
+from diststrat import _context
+from diststrat import _input
+from diststrat import _tf_internal
+from diststrat import errors
+from diststrat._arguments import as_tf_variable
+from diststrat.values import _variables
+from diststrat.values import _wrapped
+
+
+def adapter_for(strategy):
+  """The one `StrategyAdapter` of `strategy` (made on first use)."""
+  adapter = strategy.__dict__.get("_tf_distribute_adapter")
+  if adapter is None:
+    adapter = StrategyAdapter(strategy)
+    strategy.__dict__["_tf_distribute_adapter"] = adapter
+  return adapter
+
+
+def _tf_mode(strategy, tower_context):
+  """The mode listener: what TensorFlow should report while this diststrat mode is current."""
+  if _context.is_default_strategy(strategy):
+    return None  # TensorFlow's own default strategy stands for ours.
+  adapter = adapter_for(strategy)
+  if tower_context is None:
+    return _tf_internal.tf_distribution_mode(adapter)
+  return _tf_internal.tf_distribution_mode(adapter,
+                                           ReplicaContextAdapter(adapter, tower_context))
+
+
+_context.add_mode_listener(_tf_mode)
+
+
+def _reduce_op_name(reduce_op):
+  """"sum" or "mean" for a `tf.distribute.ReduceOp` or a string."""
+  return str(getattr(reduce_op, "value", reduce_op)).lower()
+
+
+class TowerShare:
+  """`num_replicas_in_sync` inside a tower that was given part of a global batch.
+
+  Keras multiplies each tower's mean loss by `1.0 / num_replicas_in_sync` and the loss
+  it reports by `cast(num_replicas_in_sync)`. With B examples of which this tower got
+  n, the weight that makes the towers' summed gradients one device's is n / B. So this
+  object compares, hashes and multiplies as the tower count N (for Keras's
+  `num_replicas > 1`), while `1.0 / share` is the tensor n / B and converting it to a
+  tensor gives B / n (0 for a tower with no example).
+  """
+
+  def __init__(self, num_towers, batch_share):
+    self._num_towers = int(num_towers)
+    self._share = batch_share  # n / B, a float or a float32 scalar tensor.
+
+  def __int__(self):
+    return self._num_towers
+
+  __index__ = __int__
+
+  def __eq__(self, other):
+    return self._num_towers == other
+
+  def __lt__(self, other):
+    return self._num_towers < other
+
+  def __le__(self, other):
+    return self._num_towers <= other
+
+  def __gt__(self, other):
+    return self._num_towers > other
+
+  def __ge__(self, other):
+    return self._num_towers >= other
+
+  def __hash__(self):
+    return hash(self._num_towers)
+
+  def __mul__(self, other):
+    return self._num_towers * other
+
+  __rmul__ = __mul__
+
+  def __rtruediv__(self, other):
+    share = tf.convert_to_tensor(self._share, tf.float32)
+    return tf.cast(other, tf.float32) * share
+
+  def inverse(self, dtype=None):
+    """B / n as a tensor (0 when n is 0)."""
+    share = tf.convert_to_tensor(self._share, tf.float32)
+    inverse = tf.math.divide_no_nan(tf.ones([], tf.float32), share)
+    return inverse if dtype is None else tf.cast(inverse, dtype)
+
+  def __repr__(self):
+    return f"TowerShare(num_towers={self._num_towers}, batch_share={self._share!r})"
+
+
+tf.register_tensor_conversion_function(
+    TowerShare, lambda value, dtype=None, name=None, as_ref=False: value.inverse(dtype))
+
+
+class _MergeFn:
+  """A tf.distribute `merge_fn(strategy, ...)` called with the adapter.
+
+  Two of them are equal when they wrap the same function, so diststrat's check that
+  every tower passes the same merge_fn compares what Keras passed.
+  """
+
+  def __init__(self, merge_fn, adapter):
+    self.merge_fn = merge_fn
+    self.adapter = adapter
+    self.__name__ = getattr(merge_fn, "__name__", type(merge_fn).__name__)
+
+  def __call__(self, strategy, *args, **kwargs):
+    del strategy  # tf.distribute code expects its own kind of strategy: the adapter.
+    return self.merge_fn(self.adapter, *args, **kwargs)
+
+  def __eq__(self, other):
+    return isinstance(other, _MergeFn) and _context.same_merge_fn(
+        self.merge_fn, other.merge_fn)
+
+  def __hash__(self):
+    return hash(getattr(self.merge_fn, "__code__", None))
+
+
+class ReplicaContextAdapter:
+  """What `tf.distribute.get_replica_context()` returns inside a diststrat tower."""
+
+  def __init__(self, adapter, tower_context):
+    self._adapter = adapter
+    self._tower = tower_context
+
+  @property
+  def strategy(self):
+    return self._adapter
+
+  @property
+  def num_replicas_in_sync(self):
+    return self._adapter.num_replicas_in_sync
+
+  @property
+  def replica_id_in_sync_group(self):
+    return self._tower.tower_id
+
+  @property
+  def devices(self):
+    return (self._tower.device,)
+
+  def merge_call(self, merge_fn, args=(), kwargs=None):
+    return self._tower.merge_call(_MergeFn(merge_fn, self._adapter), *args,
+                                  **(kwargs or {}))
+
+  def all_reduce(self, reduce_op, value, options=None):
+    """Reduces `value` (a tensor or a structure of them) over the towers; all get the result.
+
+    Differentiable for float tensors, as tf.distribute's: a tower's tape does not see
+    the reduction (it runs in `merge_call`, in another thread), so the gradient is
+    declared here: the same reduction of the towers' upstream gradients.
+    """
+    del options
+    op = _reduce_op_name(reduce_op)
+    tower = self._tower
+    flat = _wrapped.flatten(value)
+
+    def merge_fn(strategy, *leaves):
+      return tuple(strategy.batch_reduce(op, [(leaf, None) for leaf in leaves]))
+
+    if not all(isinstance(v, tf.Tensor) and v.dtype.is_floating for v in flat):
+      return _wrapped.pack_as(value, tower.merge_call(merge_fn, *flat))
+
+    @tf.custom_gradient
+    def all_reduce(*leaves):
+      reduced = tower.merge_call(merge_fn, *leaves)
+
+      def grad(*upstream):
+        return tower.merge_call(merge_fn, *upstream)
+
+      return tuple(tf.identity(r) for r in reduced), grad
+
+    return _wrapped.pack_as(value, all_reduce(*flat))
+
+
+class ExtendedAdapter:
+  """The part of `tf.distribute.Strategy.extended` that Keras and TensorFlow use."""
+
+  def __init__(self, strategy):
+    self._ds = strategy
+
+  def _use_merge_call(self):
+    return True  # Keras's optimizer applies gradients through merge_call.
+
+  @property
+  def _retrace_functions_for_each_device(self):
+    # A tf.function called in towers is traced once per tower device (it reads that
+    # tower's copies), as under tf.distribute.
+    return self._ds.num_towers > 1
+
+  def value_container(self, value):
+    return value  # What a tower's tape watches: the variable read, as diststrat does.
+
+  @property
+  def worker_devices(self):
+    return self._ds.worker_devices
+
+  @property
+  def parameter_devices(self):
+    return self._ds.parameter_devices
+
+  def colocate_vars_with(self, var):
+    return self._ds.colocate_vars_with(as_tf_variable(var))
+
+  def variable_created_in_scope(self, v):
+    return _variables.created_by(as_tf_variable(v)) is self._ds
+
+  def update(self, var, fn, args=(), kwargs=None, group=True):
+    """`strategy.update(var, fn, *args)`: `fn` once on each device holding `var`.
+
+    Keras hands over values it all-reduced, so every component is the same value: one
+    without a component on the variable's device (ParameterServer: towers on workers,
+    the variable on a parameter device) stands for any of its components.
+    """
+    var = as_tf_variable(var)
+    devices = _wrapped.devices_of(var)
+
+    def local(x):
+      if isinstance(x, _wrapped.DistributedValues) and not isinstance(x, tf.Variable) and \
+          not all(d in x for d in devices):
+        return x.primary
+      return x
+
+    args = _wrapped.pack_as(tuple(args), [local(x) for x in _wrapped.flatten(tuple(args))])
+    kwargs = dict(kwargs or {})
+    kwargs = _wrapped.pack_as(kwargs, [local(x) for x in _wrapped.flatten(kwargs)])
+    result = self._ds.update(var, fn, *args, **kwargs)
+    return self._ds.group(result) if group else result
+
+  def call_for_each_replica(self, fn, args=(), kwargs=None):
+    return self._ds.call_for_each_tower(fn, *args, **(kwargs or {}))
+
+  def reduce_to(self, reduce_op, value, destinations, options=None):
+    del options
+    return self._ds.reduce(_reduce_op_name(reduce_op), value, destinations=destinations)
+
+  def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+    del options
+    return self._ds.batch_reduce(_reduce_op_name(reduce_op), value_destination_pairs)
+
+  def broadcast_to(self, tensor, destinations):
+    return self._ds.broadcast(tensor, destinations)
+
+  def non_slot_devices(self, var_list):
+    return self._ds.non_slot_devices(var_list)
+
+
+class StrategyAdapter:
+  """What `tf.distribute.get_strategy()` returns in a diststrat context.
+
+  It is not a `tf.distribute.Strategy`: it answers, by calling its diststrat strategy,
+  the part of that interface that Keras 3's TensorFlow backend and TensorFlow itself
+  use. Users call diststrat; this object is for the code that only knows tf.distribute.
+
+  Example:
+    >>> import diststrat as ds, tensorflow as tf
+    >>> s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    >>> with s.scope():
+    ...   adapter = tf.distribute.get_strategy()
+    ...   adapter.diststrat_strategy is s, adapter.num_replicas_in_sync
+    (True, 2)
+  """
+
+  def __init__(self, strategy):
+    self._ds = strategy
+    self.extended = ExtendedAdapter(strategy)
+
+  def __repr__(self):
+    return f"diststrat StrategyAdapter({self._ds!r})"
+
+  @property
+  def diststrat_strategy(self):
+    """The diststrat strategy this adapter stands for."""
+    return self._ds
+
+  @property
+  def num_replicas_in_sync(self):
+    """The tower count; in a tower given part of a batch, a `TowerShare` of it."""
+    tower = _context.get_tower_context()
+    if tower is not None and tower.distribution_strategy is self._ds and \
+        tower.batch_share is not None:
+      return TowerShare(self._ds.num_towers, tower.batch_share)
+    return self._ds.num_towers
+
+  def scope(self):
+    return self._ds.scope()
+
+  # --- input ---
+
+  def experimental_distribute_dataset(self, dataset, options=None):
+    """`dataset`, prefetched: `run` splits each global batch across the towers.
+
+    The prefetch makes the next batch while a step runs, as `distribute_dataset` does.
+    """
+    del options
+    return dataset.prefetch(tf.data.AUTOTUNE)
+
+  def distribute_datasets_from_function(self, dataset_fn, options=None):
+    del dataset_fn, options
+    raise NotImplementedError(
+        "diststrat's tf.distribute bridge does not implement "
+        "distribute_datasets_from_function: it splits global batches itself. Pass a "
+        "tf.data.Dataset of global batches (or numpy arrays) to model.fit, or use "
+        f"{type(self._ds).__name__}.distribute_dataset() in a custom loop.")
+
+  def experimental_local_results(self, value):
+    if isinstance(value, _wrapped.DistributedValues) and not isinstance(value, tf.Variable):
+      return tuple(value.values)
+    return (value,)
+
+  # --- the step ---
+
+  def run(self, fn, args=(), kwargs=None, options=None):
+    """Runs `fn` on every tower, each on its part of the global batch in `args`.
+
+    Keras's trainer calls this with a global batch. Every tensor with a batch axis in
+    `args` and `kwargs` is split across the towers (`BatchParts`, as `distribute_dataset`
+    does, a tower may get no example); wrapped values give each tower its component;
+    anything else is passed to every tower as it is.
+
+    Returns:
+      For a Keras model's `train_step`/`test_step`: its metrics, read in cross-tower
+      context after every tower ran (each tower-local metric summed over towers). For
+      anything else: each output leaf concatenated over the towers, in tower order (the
+      order of the input batch).
+
+    Raises:
+      RuntimeError: `fn` belongs to a Keras model whose variables were not created in
+        this strategy's scope.
+    """
+    del options
+    self._check_model(getattr(fn, "__self__", None))
+    devices = self._ds.worker_devices
+
+    def split(x):
+      if isinstance(x, tf.Tensor) and x.shape.rank != 0:
+        return _input.split_batch(x, devices, allow_empty=True)
+      return _check_splittable(x)
+
+    structure = (tuple(args), dict(kwargs or {}))
+    args, kwargs = _wrapped.pack_as(structure, [split(x) for x in _wrapped.flatten(structure)])
+    with self._ds.scope():
+      # Keras runs its steps without AutoGraph (as on one device): towers do the same.
+      step = tf.autograph.experimental.do_not_convert(fn)
+      outputs = self._ds.call_for_each_tower(step, *args, **kwargs)
+      return self._combine(fn, outputs)
+
+  def _check_model(self, model):
+    """Refuses (never a silent run on one device) a Keras model not made in this scope."""
+    if model is None or not hasattr(model, "get_metrics_result") or \
+        model.__dict__.get("_diststrat_checked") is self:
+      return
+    foreign = [v.path for v in model.variables
+               if _variables.created_by(as_tf_variable(v)) is not self._ds]
+    if foreign:
+      raise errors.ContextError(
+          f"The Keras model {model.name!r} runs under {self._ds!r}, so its variables must "
+          f"be that strategy's. Received: {len(foreign)} variables created outside its "
+          f"scope, such as {foreign[:3]}. Build and compile the model inside "
+          "`with strategy.scope():` so that its variables are distributed, or train "
+          "it outside any strategy.")
+    optimizer = getattr(model, "optimizer", None)
+    captured = _tf_internal.keras_optimizer_strategy(optimizer)
+    if captured is not None and captured is not self:
+      raise errors.ContextError(
+          f"The Keras model {model.name!r} runs under {self._ds!r}, so its optimizer must "
+          "be created in that strategy's scope. Received: an optimizer created outside it "
+          f"({type(optimizer).__name__}). Create the optimizer and compile the model inside "
+          "`with strategy.scope():`.")
+    if model.variables:
+      model.__dict__["_diststrat_checked"] = self
+
+  def _combine(self, fn, outputs):
+    model = getattr(fn, "__self__", None)
+    if getattr(fn, "__name__", "") in ("train_step", "test_step") and \
+        hasattr(model, "get_metrics_result"):
+      metrics = model.get_metrics_result()  # Cross-tower: tower-local metrics summed.
+      if isinstance(outputs, dict):
+        return {k: metrics[k] if k in metrics else self._mean(v) for k, v in outputs.items()}
+      return _wrapped.pack_as(outputs, [self._mean(v) for v in _wrapped.flatten(outputs)])
+    return _wrapped.pack_as(outputs, [self._concat(v) for v in _wrapped.flatten(outputs)])
+
+  def _mean(self, value):
+    if not isinstance(value, _wrapped.DistributedValues):
+      return value
+    with tf.device(self._ds.worker_devices[0]):
+      return tf.add_n(list(value.values)) / len(value.values)
+
+  def _concat(self, value):
+    if not isinstance(value, _wrapped.DistributedValues):
+      return value
+    parts = list(value.values)
+    with tf.device(self._ds.worker_devices[0]):
+      if parts[0].shape.rank == 0:
+        return tf.stack(parts)
+      return tf.concat(parts, axis=0)
+
+  # --- cross-replica reductions Keras may call ---
+
+  def reduce(self, reduce_op, value, axis=None):
+    """Reduces per-tower values over the towers (and over `axis` of each, if given)."""
+    op = _reduce_op_name(reduce_op)
+
+    def one(v):
+      parts = list(v.values) if isinstance(v, _wrapped.DistributedValues) else [v]
+      if axis is not None:
+        reduce_axis = tf.reduce_sum if op == "sum" else tf.reduce_mean
+        parts = [reduce_axis(p, axis=axis) for p in parts]
+      with tf.device(self._ds.worker_devices[0]):
+        total = tf.add_n(parts)
+        return total / len(parts) if op == "mean" else total
+
+    if not _wrapped.is_structure(value):
+      return one(value)
+    return _wrapped.pack_as(value, [one(v) for v in _wrapped.flatten(value)])
+
+  def gather(self, value, axis):
+    return self._ds.gather(value, axis=axis)
+
+
+def _check_splittable(value):
+  if isinstance(value, (tf.SparseTensor, tf.RaggedTensor)):
+    raise TypeError(
+        "diststrat splits each batch of model.fit/evaluate/predict across the towers "
+        "along its first axis, which it does for dense tensors only. Received: a "
+        f"{type(value).__name__}. Convert it to a dense tensor (for example in the "
+        "tf.data pipeline) or run the model outside any strategy.")
+  return value

@@ -1,0 +1,465 @@
+"""Keras 3 in diststrat towers (SPEC 11), in custom loops; model.fit is in test_keras_fit.py.
+
+Every case runs under the default strategy, MirroredStrategy and ParameterServerStrategy,
+eagerly and inside `tf.function`, and is compared with one device on the same global
+batch: stateful layers (BatchNormalization, Dropout), Keras optimizers called in towers,
+nested reductions, what `apply_gradients` returns, SavedModels served without
+diststrat, and the bridge's error messages.
+"""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from conftest import CPUS
+from keras_cases import STRATEGIES, TOL, assert_all_close, assert_copies_equal, copies
+
+keras = pytest.importorskip("keras")
+
+MODES = ["eager", "function"]
+
+
+def _in_mode(fn, mode):
+  return tf.function(fn) if mode == "function" else fn
+
+
+def _batches(strategy, data):
+  """Per-tower parts of each global batch in `data` (a tf.data.Dataset of batches)."""
+  with strategy.scope():
+    return list(strategy.distribute_dataset(lambda: data))
+
+
+# --- BatchNormalization and Dropout in towers ---------------------------------------------
+
+BN_STEPS, BN_BATCH, BN_MOMENTUM = 3, 32, 0.9
+
+
+def _bn_inputs():
+  rng = np.random.default_rng(0)
+  return (rng.normal(size=(BN_STEPS, BN_BATCH, 4)) * [1, 2, 3, 4] + [0, 1, 2, 3]).astype(
+      np.float32)
+
+
+def _variance_bound(x, towers):
+  """How much lower unsynchronized BN's moving variance is than one device's.
+
+  The mean of the towers' (biased) batch variances is the batch's variance minus the
+  variance of the towers' means; the moving average carries that difference along.
+  """
+  bound = np.zeros(x.shape[-1])
+  for batch in x:
+    means = np.stack([part.mean(0) for part in np.split(batch, towers)])
+    bound = BN_MOMENTUM * bound + (1 - BN_MOMENTUM) * means.var(0)
+  return bound
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("synchronized", [False, True])
+@pytest.mark.parametrize("name", ["default", "mirrored1", "mirrored2", "mirrored4", "ps4"])
+def test_batch_normalization_moving_statistics(name, synchronized, mode):
+  x = _bn_inputs()
+  reference = keras.layers.BatchNormalization(momentum=BN_MOMENTUM, synchronized=synchronized)
+  for batch in x:
+    reference(batch, training=True)
+  strategy = STRATEGIES[name]()
+  with strategy.scope():
+    bn = keras.layers.BatchNormalization(momentum=BN_MOMENTUM, synchronized=synchronized)
+    bn.build((None, 4))
+  step = _in_mode(lambda b: strategy.call_for_each_tower(
+      lambda part: bn(part, training=True), b), mode)
+  with strategy.scope():
+    for batch in _batches(strategy, tf.data.Dataset.from_tensor_slices(x)):
+      step(batch)
+      assert_copies_equal(bn.weights)  # After every step, never diverging copies.
+  np.testing.assert_allclose(bn.moving_mean.numpy(), reference.moving_mean.numpy(), **TOL)
+  lower_by = reference.moving_variance.numpy() - bn.moving_variance.numpy()
+  expected = 0.0 if synchronized else _variance_bound(x, strategy.num_towers)
+  np.testing.assert_allclose(lower_by, expected, rtol=1e-4, atol=2e-6)
+  if strategy.num_towers > 1 and not synchronized:
+    assert np.all(lower_by > 1e-3)  # The bound is not vacuous here.
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["mirrored4", "ps4"])
+def test_dropout_masks_differ_across_towers(name, mode):
+  calls = 3
+  reference = keras.layers.Dropout(0.5, seed=7)
+  for _ in range(calls):
+    reference(tf.ones((4, 16)), training=True)
+  strategy = STRATEGIES[name]()
+  with strategy.scope():
+    dropout = keras.layers.Dropout(0.5, seed=7)
+  step = _in_mode(lambda: strategy.call_for_each_tower(
+      lambda: dropout(tf.ones((4, 16)), training=True)), mode)
+  with strategy.scope():
+    for _ in range(calls):
+      masks = [np.asarray(m) != 0 for m in step().values]
+      assert len({m.tobytes() for m in masks}) == strategy.num_towers, "one mask repeated"
+      assert_copies_equal([dropout.seed_generator.state])
+  # The state advances once per call, as on one device (tower 0 draws its stream).
+  np.testing.assert_array_equal(copies(dropout.seed_generator.state)[0],
+                                reference.seed_generator.state.numpy())
+  with strategy.scope():
+    first_tower = strategy.call_for_each_tower(
+        lambda: dropout(tf.ones((4, 16)), training=True)).values[0]
+  np.testing.assert_array_equal(first_tower, reference(tf.ones((4, 16)), training=True))
+
+
+def test_plain_variables_keep_the_aggregation_none_error():
+  strategy = STRATEGIES["mirrored2"]()
+  with strategy.scope():
+    v = tf.Variable(1.0)
+    with pytest.raises(ValueError, match=r"Cannot assign\(\) the mirrored variable .* "
+                                         r"aggregation NONE"):
+      strategy.call_for_each_tower(lambda: v.assign(2.0))
+
+
+# --- Keras optimizers called in towers (custom loop) ---------------------------------------
+
+OPT_STEPS = 4
+KERAS_OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+}
+
+
+def _regression_data(batch=32, seed=0):
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(OPT_STEPS * batch, 6)).astype(np.float32),
+          rng.normal(size=(OPT_STEPS * batch, 1)).astype(np.float32))
+
+
+def _small_model(weights=None):
+  keras.utils.set_random_seed(3)
+  model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                            keras.layers.Dense(1)])
+  if weights is not None:
+    model.set_weights(weights)
+  return model
+
+
+def _keras_custom_loop(strategy, make_optimizer, mode, batch=32):
+  """Trains with a Keras loss and a Keras optimizer called in every tower."""
+  x, y = _regression_data(batch)
+  with strategy.scope():
+    model = _small_model(_small_model().get_weights())
+    optimizer = make_optimizer()
+  loss_fn = keras.losses.MeanSquaredError()  # Divides by the towers, as under tf.distribute.
+
+  def tower_fn(xb, yb):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(yb, model(xb, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    return optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+  returned = _run_steps(strategy, tower_fn, mode, (x, y), batch,
+                        lambda: assert_copies_equal(model.weights + optimizer.variables))
+  return model, optimizer, returned
+
+
+def _run_steps(strategy, tower_fn, mode, data, batch, after_step=None):
+  """Runs `tower_fn` in every tower on each global batch of `data`; returns each result."""
+  step = _in_mode(lambda *parts: strategy.call_for_each_tower(tower_fn, *parts), mode)
+  returned = []
+  with strategy.scope():
+    for parts in _batches(strategy, tf.data.Dataset.from_tensor_slices(data).batch(batch)):
+      returned.append(_read_now(step(*parts)))
+      if after_step is not None:
+        after_step()
+  return returned
+
+
+def _read_now(value):
+  """What a step returned, read now (a variable returned eagerly changes later)."""
+  return None if value is None else np.asarray(tf.convert_to_tensor(value))
+
+
+def _one_device_keras_loop(make_optimizer, batch=32):
+  return _keras_custom_loop(ds.DefaultStrategy(), make_optimizer, "eager", batch)
+
+
+# Every optimizer on 4 towers in a tf.function; some eagerly, and on 2 towers.
+OPTIMIZER_CASES = [(o, s, "function") for o in sorted(KERAS_OPTIMIZERS)
+                   for s in ("mirrored4", "ps4")] + [
+                       ("sgd_momentum", "mirrored2", "eager"), ("adam", "mirrored4", "eager"),
+                       ("adamw", "ps4", "eager"), ("rmsprop", "ps2", "function")]
+
+
+@pytest.mark.parametrize("optimizer,name,mode", OPTIMIZER_CASES)
+def test_keras_optimizer_in_towers_matches_one_device(optimizer, name, mode):
+  expected, expected_opt, _ = _one_device_keras_loop(KERAS_OPTIMIZERS[optimizer])
+  model, opt, returned = _keras_custom_loop(STRATEGIES[name](), KERAS_OPTIMIZERS[optimizer],
+                                            mode)
+  assert_all_close(model.get_weights(), expected.get_weights())
+  assert int(opt.iterations.numpy()) == int(expected_opt.iterations.numpy()) == OPT_STEPS
+  # apply_gradients returns the step count; the tf.function step returned it.
+  assert [int(np.asarray(r)) for r in returned] == list(range(1, OPT_STEPS + 1))
+
+
+def test_keras_optimizer_on_a_ragged_batch_matches_one_device():
+  make = KERAS_OPTIMIZERS["sgd_momentum"]
+  expected, _, _ = _one_device_keras_loop(make, batch=41)
+  model, _, _ = _keras_custom_loop(STRATEGIES["mirrored4"](), make, "function", batch=41)
+  assert_all_close(model.get_weights(), expected.get_weights())
+
+
+# --- diststrat's own optimizers: ragged batches, what apply_gradients returns -------------
+
+
+def _ds_custom_loop(strategy, mode, batch, global_step=False):
+  x, y = _regression_data(batch, seed=1)
+  with strategy.scope():
+    model = _small_model(_small_model().get_weights())
+    optimizer = ds.optimizers.Momentum(0.05, momentum=0.9)
+    step_counter = tf.Variable(0, dtype=tf.int64, trainable=False) if global_step else None
+
+  def tower_fn(xb, yb):
+    def loss():
+      return tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+    return optimizer.minimize(loss, var_list=model.trainable_variables,
+                              global_step=step_counter)
+
+  return model, _run_steps(strategy, tower_fn, mode, (x, y), batch)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["mirrored4", "ps4"])
+def test_ds_optimizer_on_a_ragged_batch_matches_one_device(name, mode):
+  # 41 examples on 4 towers: 11/10/10/10. Each tower's mean loss weighs n_i / 41.
+  expected, _ = _ds_custom_loop(ds.DefaultStrategy(), "eager", batch=41)
+  model, _ = _ds_custom_loop(STRATEGIES[name](), mode, batch=41)
+  assert_all_close(model.get_weights(), expected.get_weights())
+
+
+@pytest.mark.parametrize("global_step", [False, True])
+@pytest.mark.parametrize("name", ["default", "mirrored4", "ps4"])
+def test_ds_apply_gradients_result_is_returned_by_a_tf_function(name, global_step):
+  _, returned = _ds_custom_loop(STRATEGIES[name](), "function", batch=32,
+                                global_step=global_step)
+  if global_step:
+    assert [int(np.asarray(r)) for r in returned] == list(range(1, OPT_STEPS + 1))
+  else:
+    assert returned == [None] * OPT_STEPS
+
+
+# --- layers that already worked keep working (Conv2D, Embedding + LSTM/GRU, attention) ---
+
+
+def _layer_model(kind):
+  keras.utils.set_random_seed(5)
+  if kind == "conv":
+    layers = [keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3, activation="relu"),
+              keras.layers.Flatten(), keras.layers.Dense(1)]
+  elif kind in ("lstm", "gru"):
+    rnn = keras.layers.LSTM(5) if kind == "lstm" else keras.layers.GRU(5)
+    layers = [keras.Input((7,), dtype="int32"), keras.layers.Embedding(11, 4), rnn,
+              keras.layers.Dense(1)]
+  else:
+    inputs = keras.Input((5, 4))
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3)(inputs, inputs)
+    outputs = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(attended))
+    return keras.Model(inputs, outputs)
+  return keras.Sequential(layers)
+
+
+def _layer_data(kind, batch=16, steps=3):
+  rng = np.random.default_rng(2)
+  shape = {"conv": (6, 6, 2), "lstm": (7,), "gru": (7,), "attention": (5, 4)}[kind]
+  x = rng.integers(0, 11, (steps * batch,) + shape).astype(np.int32) if kind in (
+      "lstm", "gru") else rng.normal(size=(steps * batch,) + shape).astype(np.float32)
+  return x, rng.normal(size=(steps * batch, 1)).astype(np.float32)
+
+
+def _train_layer_model(strategy, kind):
+  x, y = _layer_data(kind)
+  with strategy.scope():
+    model = _layer_model(kind)
+    optimizer = ds.optimizers.Momentum(0.05, momentum=0.9)
+
+  def tower_fn(xb, yb):
+    return optimizer.minimize(lambda: tf.reduce_mean(tf.square(model(xb) - yb)),
+                              var_list=model.trainable_variables)
+
+  _run_steps(strategy, tower_fn, "function", (x, y), 16)
+  return model.get_weights()
+
+
+@pytest.mark.parametrize("kind", ["conv", "lstm", "gru", "attention"])
+def test_keras_layers_with_ds_optimizers_match_one_device(kind):
+  expected = _train_layer_model(ds.DefaultStrategy(), kind)
+  assert_all_close(_train_layer_model(STRATEGIES["mirrored4"](), kind), expected)
+
+
+# --- nested reduce, batch_reduce and gather -------------------------------------------------
+
+Pair = collections.namedtuple("Pair", ["left", "right"])
+
+
+def _tower_structure():
+  i = float(ds.get_tower_context().tower_id)
+  return {"a": tf.constant([i, 1.0]),
+          "b": [tf.constant(i * 10.0), (tf.fill([2, 2], i), Pair(tf.constant(i), None))]}
+
+
+def _leaves(structure):
+  """Leaves of a structure, None dropped; wrapped values are leaves (tf.nest opens them)."""
+  return ds.values._wrapped.flatten(structure)  # pylint: disable=protected-access
+
+
+def _first_copy(value):
+  return np.asarray(value.values[0] if isinstance(value, ds.values.DistributedValues)
+                    else value)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["default", "mirrored4", "ps4"])
+def test_nested_reduce_batch_reduce_and_gather(name, mode):
+  strategy = STRATEGIES[name]()
+  towers = strategy.num_towers
+
+  def run():
+    per_tower = strategy.call_for_each_tower(_tower_structure)
+    return (strategy.reduce("sum", per_tower), strategy.reduce("mean", per_tower),
+            strategy.batch_reduce("sum", [(per_tower, None), (per_tower["a"], None)]),
+            strategy.gather(per_tower, axis=0))
+
+  with strategy.scope():
+    total, mean, (batch_total, batch_a), gathered = _in_mode(run, mode)()
+  per_tower = [_leaves({"a": np.array([i, 1.0], np.float32),
+                        "b": [np.float32(i * 10), (np.full([2, 2], i, np.float32),
+                                                   Pair(np.float32(i), None))]})
+               for i in range(towers)]
+  by_leaf = list(zip(*per_tower))
+  for result in (total, mean, batch_total, gathered):  # The same structure back.
+    assert sorted(result) == ["a", "b"] and isinstance(result["b"][1][1], Pair)
+    assert result["b"][1][1].right is None and isinstance(result["b"][1], tuple)
+  got = lambda result: [_first_copy(leaf) for leaf in _leaves(result)]
+  assert_all_close(got(total), [np.sum(xs, 0) for xs in by_leaf])
+  assert_all_close(got(mean), [np.mean(xs, 0) for xs in by_leaf])
+  assert_all_close(got(batch_total), got(total))
+  np.testing.assert_allclose(_first_copy(batch_a), [towers * (towers - 1) / 2, towers])
+  assert_all_close(got(gathered), [np.stack(xs) if xs[0].ndim == 0 else np.concatenate(xs)
+                                   for xs in by_leaf])
+
+
+# --- SavedModel, served in a process that never imports diststrat ---------------------------
+
+_LOADER = r"""
+import json, sys
+import numpy as np
+import tensorflow as tf
+x = np.arange(12, dtype="float32").reshape(3, 4) / 10.0
+outputs = {}
+for path, kind in json.loads(sys.argv[1]):
+  loaded = tf.saved_model.load(path)
+  if kind == "module":
+    y = loaded(x)
+  elif kind == "export":
+    y = loaded.serve(x)
+  else:
+    y = list(loaded.signatures["serving_default"](tf.constant(x)).values())[0]
+  outputs[path] = np.asarray(y).tolist()
+assert not [m for m in sys.modules if m.split(".")[0] == "diststrat"], "diststrat imported"
+print(json.dumps(outputs))
+"""
+
+
+class _Affine(tf.Module):
+
+  def __init__(self):
+    super().__init__()
+    self.w = tf.Variable(tf.ones([4, 2]))
+    self.b = tf.Variable([0.5, -0.5])
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+  def __call__(self, x):
+    return tf.matmul(x, self.w) + self.b
+
+
+def test_saved_models_serve_without_diststrat(tmp_path):
+  x = np.arange(12, dtype="float32").reshape(3, 4) / 10.0
+  rng = np.random.default_rng(0)
+  train_x, train_y = rng.random((64, 4), np.float32), rng.random((64, 2), np.float32)
+  expected, jobs = {}, []
+  for name in ("mirrored4", "ps4", "default"):
+    strategy = STRATEGIES[name]()
+    with strategy.scope():
+      module = _Affine()
+      module.w.assign(tf.reshape(tf.range(8, dtype=tf.float32), [4, 2]))
+      keras.utils.set_random_seed(0)
+      model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                keras.layers.BatchNormalization(), keras.layers.Dropout(0.3),
+                                keras.layers.Dense(2)])
+      model.compile(optimizer="adam", loss="mse")
+    model.fit(train_x, train_y, batch_size=16, epochs=1, verbose=0)
+    for kind, obj, save in (
+        ("module", module, lambda o, p: tf.saved_model.save(o, p)),
+        ("keras", model, lambda o, p: tf.saved_model.save(o, p)),
+        ("export", model, lambda o, p: o.export(p, verbose=False))):
+      path = str(tmp_path / f"{name}_{kind}")
+      save(obj, path)
+      jobs.append((path, kind))
+      expected[path] = (module(x) if kind == "module" else model(x, training=False)).numpy()
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  proc = subprocess.run([sys.executable, "-c", _LOADER, json.dumps(jobs)], env=env,
+                        cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  served = json.loads(proc.stdout.strip().splitlines()[-1])
+  for path, value in expected.items():
+    np.testing.assert_allclose(served[path], value, rtol=1e-6, atol=1e-6, err_msg=path)
+
+
+# --- the bridge: what tf.distribute reports, its errors ------------------------------------
+
+
+@pytest.mark.parametrize("name", ["mirrored2", "ps2"])
+def test_tf_distribute_reports_the_diststrat_context(name):
+  strategy = STRATEGIES[name]()
+  assert not tf.distribute.has_strategy()
+  with strategy.scope():
+    adapter = tf.distribute.get_strategy()
+    assert adapter.diststrat_strategy is strategy
+    assert tf.distribute.in_cross_replica_context()
+
+    def tower_fn():
+      context = tf.distribute.get_replica_context()
+      return (context.replica_id_in_sync_group, context.num_replicas_in_sync,
+              tf.distribute.get_strategy() is adapter)
+
+    seen = strategy.call_for_each_tower(tower_fn)
+  assert [v for v in seen[0].values] == [0, 1] and seen[1:] == (2, True)
+  assert not tf.distribute.has_strategy()
+  with ds.DefaultStrategy().scope():
+    assert not tf.distribute.has_strategy()  # TensorFlow's own default stands for ours.
+
+
+def test_distribute_datasets_from_function_says_what_to_do():
+  with STRATEGIES["mirrored2"]().scope():
+    with pytest.raises(NotImplementedError, match=r"does not implement "
+                       r"distribute_datasets_from_function.*Pass a tf.data.Dataset of global "
+                       r"batches .* to model.fit"):
+      tf.distribute.get_strategy().distribute_datasets_from_function(lambda ctx: None)
+
+
+def test_keras_merge_fns_are_compared_by_the_function_they_wrap():
+  strategy = STRATEGIES["mirrored2"]()
+
+  def tower_fn():
+    branch = (lambda s: 1) if ds.get_tower_context().tower_id == 0 else (lambda s: 2)
+    return tf.distribute.get_replica_context().merge_call(branch)
+
+  with strategy.scope():
+    assert strategy.call_for_each_tower(
+        lambda: tf.distribute.get_replica_context().merge_call(lambda s: 3)) == 3
+    with pytest.raises(ds.errors.MergeCallMismatchError, match=r"different merge_fns"):
+      strategy.call_for_each_tower(tower_fn)

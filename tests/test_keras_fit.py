@@ -1,0 +1,272 @@
+"""Keras `model.fit`, `evaluate` and `predict` under diststrat (SPEC 11).
+
+A model built and compiled in a strategy's scope trains on every tower: a layer records,
+at run time, which tower ran it on how many examples. Weights, history (with validation
+data), callbacks, `evaluate` numbers and `predict` outputs are compared with the same
+model trained on one device with no strategy.
+"""
+
+import functools
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from keras_cases import STRATEGIES, assert_all_close, assert_copies_equal
+
+keras = pytest.importorskip("keras")
+
+FEATURES = 6
+SEEN = []  # (tower id, examples) per call of TowerRecorder, at run time.
+
+
+@keras.saving.register_keras_serializable(package="diststrat_tests")
+class TowerRecorder(keras.layers.Layer):
+  """Passes its input through; records (tower id, batch rows) each time it runs."""
+
+  def call(self, x):
+    context = ds.get_tower_context()
+    tower_id = context.tower_id if context is not None else -1
+
+    def record(rows):
+      SEEN.append((tower_id, int(rows)))
+      return np.float32(0.0)
+
+    zero = tf.py_function(record, [tf.shape(x)[0]], tf.float32)
+    zero.set_shape([])
+    return x + zero
+
+
+def _data(n=96, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+  y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(n, 1))).astype(np.float32)
+  return x, y
+
+
+def _make(optimizer="adam", weights=None, **compile_kwargs):
+  keras.utils.set_random_seed(1)
+  model = keras.Sequential([
+      keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"), TowerRecorder(),
+      keras.layers.BatchNormalization(synchronized=True), keras.layers.Dense(1)])
+  if weights is not None:
+    model.set_weights(weights)
+  optimizer = {"adam": lambda: keras.optimizers.Adam(0.01),
+               "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+               "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+               "rmsprop": lambda: keras.optimizers.RMSprop(0.01)}[optimizer]()
+  model.compile(optimizer=optimizer, loss="mse", metrics=["mae"], **compile_kwargs)
+  return model
+
+
+@functools.lru_cache(maxsize=None)
+def _initial_weights():
+  return tuple(_make().get_weights())
+
+
+def _build(strategy, optimizer="adam", **compile_kwargs):
+  with strategy.scope():
+    return _make(optimizer, list(_initial_weights()), **compile_kwargs)
+
+
+def _callbacks(path):
+  # EarlyStopping with an unreachable min_delta stops after `patience` + 1 epochs.
+  return [keras.callbacks.ModelCheckpoint(path, monitor="val_loss", save_best_only=True),
+          keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0)]
+
+
+def _fit_evaluate_predict(model, data, path, batch=24, in_scope=None):
+  x, y = _data()
+  validation = (x[:32], y[:32])
+  fit_kwargs = dict(epochs=4, validation_data=validation, callbacks=_callbacks(path),
+                    verbose=0)
+  if data == "numpy":
+    fit = lambda: model.fit(x, y, batch_size=batch, shuffle=False, **fit_kwargs)
+  else:
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    fit = lambda: model.fit(dataset, shuffle=False, **fit_kwargs)
+  with in_scope.scope() if in_scope is not None else _nothing():
+    history = fit().history
+  return (history, model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True),
+          model.predict(x, batch_size=batch, verbose=0))
+
+
+class _nothing:  # pylint: disable=invalid-name
+  def __enter__(self):
+    return None
+
+  def __exit__(self, *exc):
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device(tmp_dir):
+  model = _make(weights=list(_initial_weights()))
+  path = os.path.join(tmp_dir, "one_device.keras")
+  history, evaluated, predicted = _fit_evaluate_predict(model, "numpy", path)
+  return model.get_weights(), history, evaluated, predicted, path
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+  return _one_device(str(tmp_path_factory.mktemp("one_device")))
+
+
+def _assert_history_equal(got, expected):
+  assert sorted(got) == sorted(expected) and "val_loss" in got
+  for key in expected:
+    np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+FIT_CASES = [("default", "numpy"), ("mirrored1", "numpy"), ("mirrored2", "numpy"),
+             ("mirrored4", "numpy"), ("ps4", "numpy"), ("mirrored4", "tf.data"),
+             ("ps2", "tf.data")]
+
+
+@pytest.mark.parametrize("name,data", FIT_CASES)
+def test_fit_evaluate_predict_match_one_device(name, data, one_device, tmp_path):
+  weights, history, evaluated, predicted, reference_path = one_device
+  strategy = STRATEGIES[name]()
+  model = _build(strategy)
+  assert model.distribute_strategy is not None
+  SEEN.clear()
+  path = str(tmp_path / "checkpoint.keras")
+  # fit inside the scope for mirrored2, outside it (the model keeps its strategy) otherwise.
+  got = _fit_evaluate_predict(model, data, path,
+                              in_scope=strategy if name == "mirrored2" else None)
+  towers = strategy.num_towers
+  if name != "default":  # Every tower ran every step: fit, evaluate and predict.
+    assert sorted({t for t, _ in SEEN}) == list(range(towers))
+    # Batches of 24 (96 examples, 32 validation: 24 + 8) or, validating a tf.data fit,
+    # Keras's default 32; each split evenly.
+    assert {rows for _, rows in SEEN} <= {24 // towers, 8 // towers, 32 // towers}
+  _assert_history_equal(got[0], history)
+  assert len(got[0]["loss"]) == len(history["loss"]) == 2  # EarlyStopping stopped both.
+  assert_all_close(model.get_weights(), weights)  # Moving statistics included.
+  assert got[1] == pytest.approx(evaluated, rel=1e-5, abs=1e-6)
+  np.testing.assert_allclose(got[2], predicted, rtol=1e-5, atol=1e-5)  # In input order.
+  assert_copies_equal(model.weights + model.optimizer.variables)
+  # ModelCheckpoint's file, written under the strategy, loads with none.
+  loaded = keras.models.load_model(path)
+  assert_all_close(loaded.get_weights(), keras.models.load_model(reference_path).get_weights())
+
+
+def test_weight_files_move_between_strategies(tmp_path):
+  x, y = _data()
+  trained = _build(STRATEGIES["mirrored4"]())
+  trained.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+  trained.save_weights(str(tmp_path / "four.weights.h5"))
+  trained.save(str(tmp_path / "four.keras"))
+  for name in ("default", "mirrored2", "ps4"):  # 4 towers -> none, 2 towers, PS.
+    model = _build(STRATEGIES[name]())
+    model.load_weights(str(tmp_path / "four.weights.h5"))
+    assert_all_close(model.get_weights(), trained.get_weights())
+    assert_copies_equal(model.weights)
+    if name == "default":  # And back: one device -> 4 towers, every copy written.
+      model.save_weights(str(tmp_path / "one.weights.h5"))
+      again = _build(STRATEGIES["mirrored4"]())
+      again.load_weights(str(tmp_path / "one.weights.h5"))
+      assert_all_close(again.get_weights(), trained.get_weights())
+      assert_copies_equal(again.weights)
+  with STRATEGIES["mirrored2"]().scope():
+    loaded = keras.models.load_model(str(tmp_path / "four.keras"))
+  assert_all_close(loaded.get_weights(), trained.get_weights())
+  assert_copies_equal(loaded.weights)
+
+
+@pytest.mark.parametrize("name", ["mirrored4", "ps4"])
+def test_ragged_last_batch_matches_one_device(name):
+  # 123 examples in batches of 41, split 11/10/10/10: towers weigh by their examples.
+  x, y = _data(123, seed=2)
+  reference = _make("sgd_momentum", list(_initial_weights()))
+  model = _build(STRATEGIES[name](), "sgd_momentum")
+  results = []
+  for m in (reference, model):
+    history = m.fit(x, y, batch_size=41, epochs=2, shuffle=False, verbose=0).history
+    results.append((history, m.evaluate(x, y, batch_size=41, verbose=0, return_dict=True),
+                    m.predict(x, batch_size=41, verbose=0)))
+  (expected_history, expected_eval, expected_pred), (history, evaluated, predicted) = results
+  for key in expected_history:
+    np.testing.assert_allclose(history[key], expected_history[key], rtol=1e-5, atol=1e-6)
+  assert_all_close(model.get_weights(), reference.get_weights())
+  assert evaluated == pytest.approx(expected_eval, rel=1e-5, abs=1e-6)
+  np.testing.assert_allclose(predicted, expected_pred, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw", "rmsprop"])
+def test_fit_with_other_keras_optimizers_matches_one_device(optimizer):
+  x, y = _data()
+  reference = _make(optimizer, list(_initial_weights()))
+  reference.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+  model = _build(STRATEGIES["mirrored4"](), optimizer)
+  model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+  assert_all_close(model.get_weights(), reference.get_weights())
+  assert int(model.optimizer.iterations.numpy()) == 4
+
+
+@pytest.mark.parametrize("compile_kwargs", [{"steps_per_execution": 2}, {"run_eagerly": True}],
+                         ids=["steps_per_execution", "run_eagerly"])
+def test_fit_execution_options_match_one_device(compile_kwargs):
+  x, y = _data()
+  reference = _make(weights=list(_initial_weights()), **compile_kwargs)
+  reference.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+  model = _build(STRATEGIES["mirrored2"](), **compile_kwargs)
+  SEEN.clear()
+  model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+  assert sorted({t for t, _ in SEEN}) == [0, 1]
+  assert_all_close(model.get_weights(), reference.get_weights())
+
+
+def test_batch_entry_points_and_short_predict_batches():
+  x, y = _data()
+  reference = _make(weights=list(_initial_weights()))
+  model = _build(STRATEGIES["mirrored4"]())
+  got = model.train_on_batch(x[:20], y[:20], return_dict=True)
+  expected = reference.train_on_batch(x[:20], y[:20], return_dict=True)
+  assert {k: float(v) for k, v in got.items()} == pytest.approx(
+      {k: float(v) for k, v in expected.items()}, rel=1e-5)
+  np.testing.assert_allclose(model.test_on_batch(x[:8], y[:8]),
+                             reference.test_on_batch(x[:8], y[:8]), rtol=1e-5)
+  np.testing.assert_allclose(model.predict_on_batch(x[:5]), reference.predict_on_batch(x[:5]),
+                             rtol=1e-5, atol=1e-6)
+  SEEN.clear()
+  short = model.predict(x[:3], verbose=0)  # 3 examples, 4 towers: one gets none.
+  assert sorted(rows for _, rows in SEEN) == [0, 1, 1, 1]
+  np.testing.assert_allclose(short, reference.predict(x[:3], verbose=0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mirrored4", "ps4"])
+def test_model_built_outside_the_scope_is_refused(name):
+  x, y = _data()
+  strategy = STRATEGIES[name]()
+  model = _make(weights=list(_initial_weights()))  # No strategy: plain variables.
+  with strategy.scope():
+    with pytest.raises(ds.errors.ContextError,
+                       match=r"The Keras model '.*' runs under .*Strategy.*, so its "
+                             r"variables must be that strategy's. Received: 8 variables "
+                             r"created outside its scope, such as \[.*\]. Build and compile "
+                             r"the model inside `with strategy.scope\(\):`"):
+      model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+
+
+def test_optimizer_created_outside_the_scope_is_refused():
+  x, y = _data()
+  with STRATEGIES["mirrored2"]().scope():
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+  model.compile(optimizer="sgd", loss="mse")  # Outside: the optimizer misses the strategy.
+  with pytest.raises(ds.errors.ContextError,
+                     match=r"so its optimizer must be created in that strategy's scope. "
+                           r"Received: an optimizer created outside it \(SGD\). Create the "
+                           r"optimizer and compile the model inside"):
+    model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+
+
+def test_sparse_inputs_say_what_to_do():
+  with STRATEGIES["mirrored2"]().scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+  sparse = tf.sparse.from_dense(tf.eye(4))
+  with pytest.raises(TypeError, match=r"which it does for dense tensors only. Received: a "
+                                      r"SparseTensor. Convert it to a dense tensor"):
+    model.predict(tf.data.Dataset.from_tensors(sparse), verbose=0)
