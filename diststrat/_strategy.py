@@ -468,7 +468,35 @@ class DistributionStrategy:
     return [value]
 
   def _distribute_dataset(self, dataset_fn):
-    return _input.PerDeviceDataset(dataset_fn(), self._worker_devices())
+    first_tower, num_towers = self._batch_split()
+    return _input.PerDeviceDataset(dataset_fn(), self._worker_devices(),
+                                   first_tower=first_tower, num_towers=num_towers)
+
+  def _num_processes(self):
+    """How many processes share this strategy's variables, each with its own copies.
+
+    1 unless the strategy's processes train together, each holding copies of every
+    variable (MultiWorkerMirroredStrategy: its worker count). A `TowerLocalVariable` has
+    this many times its local copies.
+    """
+    return 1
+
+  def _sum_across_processes(self, tensor):
+    """`tensor`, summed over the `_num_processes()` processes (each passes its own).
+
+    A collective when there are several: every process must call it, in the same order.
+    """
+    return tensor
+
+  def _batch_split(self):
+    """(first_tower, num_towers): this process's towers' share of every global batch.
+
+    Each global batch is split into `num_towers` parts and this process's towers take
+    the `len(worker_devices)` parts from `first_tower` on. One process: (0, its tower
+    count). A strategy whose processes train on one global batch together (one per
+    step, as MultiWorkerMirroredStrategy's) returns its towers' place among all of them.
+    """
+    return 0, len(self._worker_devices())
 
   def _gather(self, value, axis, destinations):
     components = self._unwrap(value)

@@ -350,14 +350,16 @@ class StrategyAdapter:
 
     Keras's trainer calls this with a global batch. Every tensor with a batch axis in
     `args` and `kwargs` is split across the towers (`BatchParts`, as `distribute_dataset`
-    does, a tower may get no example); wrapped values give each tower its component;
-    anything else is passed to every tower as it is.
+    does, a tower may get no example); with several worker processes training on one
+    global batch (MultiWorkerMirroredStrategy), this process's towers take their share.
+    Wrapped values give each tower its component; anything else is passed to every
+    tower as it is.
 
     Returns:
       For a Keras model's `train_step`/`test_step`: its metrics, read in cross-tower
       context after every tower ran (each tower-local metric summed over towers). For
       anything else: each output leaf concatenated over the towers, in tower order (the
-      order of the input batch).
+      order of the input batch), of every worker process.
 
     Raises:
       RuntimeError: `fn` belongs to a Keras model whose variables were not created in
@@ -366,10 +368,12 @@ class StrategyAdapter:
     del options
     self._check_model(getattr(fn, "__self__", None))
     devices = self._ds.worker_devices
+    first_tower, num_towers = self._ds._batch_split()  # pylint: disable=protected-access
 
     def split(x):
       if isinstance(x, tf.Tensor) and x.shape.rank != 0:
-        return _input.split_batch(x, devices, allow_empty=True)
+        return _input.split_batch(x, devices, allow_empty=True, first_tower=first_tower,
+                                  num_towers=num_towers)
       return _check_splittable(x)
 
     structure = (tuple(args), dict(kwargs or {}))
@@ -413,22 +417,16 @@ class StrategyAdapter:
       if isinstance(outputs, dict):
         return {k: metrics[k] if k in metrics else self._mean(v) for k, v in outputs.items()}
       return _wrapped.pack_as(outputs, [self._mean(v) for v in _wrapped.flatten(outputs)])
-    return _wrapped.pack_as(outputs, [self._concat(v) for v in _wrapped.flatten(outputs)])
+    # Every tower's output, in tower order (the input batch's); with several worker
+    # processes, every worker's (MultiWorkerMirroredStrategy gathers across them).
+    return _wrapped.pack_as(outputs, [self._ds.gather(v, axis=0)
+                                      for v in _wrapped.flatten(outputs)])
 
   def _mean(self, value):
     if not isinstance(value, _wrapped.DistributedValues):
       return value
     with tf.device(self._ds.worker_devices[0]):
       return tf.add_n(list(value.values)) / len(value.values)
-
-  def _concat(self, value):
-    if not isinstance(value, _wrapped.DistributedValues):
-      return value
-    parts = list(value.values)
-    with tf.device(self._ds.worker_devices[0]):
-      if parts[0].shape.rank == 0:
-        return tf.stack(parts)
-      return tf.concat(parts, axis=0)
 
   # --- cross-replica reductions Keras may call ---
 

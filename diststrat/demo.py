@@ -47,13 +47,16 @@ def _default_strategy(config, devices):
   return ds.DefaultStrategy()
 
 
-def _ps_strategy(config, devices):
-  del config, devices
-  raise AssertionError("--strategy=ps trains in a LocalCluster's worker: see train()")
+def _in_cluster_strategy(config, devices):
+  del devices
+  raise AssertionError(f"--strategy={config.strategy} trains in LocalCluster workers: "
+                       "see train()")
 
 
 STRATEGIES = {"mirrored": _mirrored_strategy, "default": _default_strategy,
-              "ps": _ps_strategy}
+              "ps": _in_cluster_strategy, "multi_worker": _in_cluster_strategy}
+CLUSTER_STRATEGIES = ("ps", "multi_worker")
+MULTI_WORKER_PROCESSES = 2
 
 REDUCTIONS = {
     "auto": lambda: None,  # The strategy's own choice for its devices.
@@ -187,6 +190,9 @@ def train(config, strategy=None):
 
   With `--strategy=ps` it starts a `LocalCluster` (one parameter server, one worker
   process) and runs this same function in the worker, with its ParameterServerStrategy.
+  With `--strategy=multi_worker` it starts 2 worker processes of `--towers / 2` towers
+  each and runs it in both, with their MultiWorkerMirroredStrategy (synchronous: every
+  step all-reduces the gradients of all towers of both); the report is worker 0's.
 
   Returns:
     A dict of results: label, accuracy (on the held-out 20%), final_loss (the last
@@ -195,7 +201,7 @@ def train(config, strategy=None):
     steps, strategy (class name), devices, reduction (a description, or None),
     copies (of each weight) and copies_max_difference.
   """
-  if config.strategy == "ps" and strategy is None:
+  if config.strategy in CLUSTER_STRATEGIES and strategy is None:
     return _train_on_local_cluster(config)
   if config.loop not in LOOPS:
     raise ValueError(f"loop must be one of {LOOPS}. Received: loop={config.loop!r}")
@@ -210,8 +216,9 @@ def train(config, strategy=None):
   if steps_per_epoch == 0:
     raise ValueError(f"--batch_size={config.batch_size} is larger than the "
                      f"{len(x_train)} training examples.")
+  towers = strategy.num_towers
   label = "one device, no strategy" if no_strategy else \
-      f"{config.strategy}, {len(devices)} tower{'s' if len(devices) > 1 else ''}"
+      f"{config.strategy}, {towers} tower{'s' if towers > 1 else ''}"
 
   def dataset():  # Global batches; diststrat splits each across the towers.
     data = tf.data.Dataset.from_tensor_slices((x_train, y_train))
@@ -238,6 +245,7 @@ def train(config, strategy=None):
       "steps": total_steps,
       "strategy": type(strategy).__name__,
       "devices": devices,
+      "workers": getattr(strategy, "num_workers", 1),
       "reduction": describe_reduction(strategy, config.reduction),
       "copies": max(len(c) for c in copies),
       "copies_max_difference": max(float(tf.reduce_max(tf.abs(tf.cast(c - cs[0], tf.float32))))
@@ -335,9 +343,19 @@ def _train_with_custom_loop(config, strategy, dataset, steps_per_epoch, label):
 
 
 def _train_on_local_cluster(config):
-  with cluster.LocalCluster(num_ps=1, num_workers=1) as local:
-    [result] = local.run_on_workers(_train_in_worker, config=dataclasses.asdict(config))
-  return result
+  if config.strategy == "ps":
+    local = cluster.LocalCluster(num_ps=1, num_workers=1)
+  else:
+    if config.towers % MULTI_WORKER_PROCESSES:
+      raise ValueError(f"--strategy=multi_worker runs {MULTI_WORKER_PROCESSES} worker "
+                       "processes with the same number of towers each, so --towers must be "
+                       f"a multiple of {MULTI_WORKER_PROCESSES}. Received: "
+                       f"--towers={config.towers}.")
+    local = cluster.LocalCluster(num_ps=0, num_workers=MULTI_WORKER_PROCESSES,
+                                 cpus_per_worker=config.towers // MULTI_WORKER_PROCESSES)
+  with local:
+    results = local.run_on_workers(_train_in_worker, config=dataclasses.asdict(config))
+  return results[0]  # The chief's (every worker trains the same model).
 
 
 def _train_in_worker(strategy, config):
@@ -356,7 +374,11 @@ def describe_reduction(strategy, flag):
   if ops is None:
     return None
   algorithm = getattr(ops, "algorithm", None)
-  words = f"{algorithm} all-reduce" if algorithm else "reduction to one device"
+  scheme = getattr(ops, "scheme", None)
+  if scheme is not None:  # Across worker processes: TensorFlow's collective ops over gRPC.
+    words = f"{scheme} all-reduce across the worker processes"
+  else:
+    words = f"{algorithm} all-reduce" if algorithm else "reduction to one device"
   words += f" ({type(ops).__name__})"
   return f"{words}, the default here" if flag == "auto" else words
 
@@ -388,19 +410,22 @@ def format_report(config, result, baseline=None):
             for name, cells in rows]
   lines.append("")
   devices = result["devices"]
+  workers = result.get("workers", 1)
   lines.append(f"  strategy   {result['strategy']} on "
-               f"{', '.join(short_name(d) for d in devices)}")
+               f"{', '.join(short_name(d) for d in devices)}" +
+               (f" of each of {workers} worker processes" if workers > 1 else ""))
   if result["reduction"]:
     lines.append(f"  reduction  {result['reduction']}")
   if result["copies"] > 1:
-    lines.append(f"  variables  {result['copies']} copies of each weight (batch norm's moving "
-                 "statistics included), one per device; they differ by at most "
+    where = f" in each of {workers} processes" if workers > 1 else ""
+    lines.append(f"  variables  {result['copies']} copies of each weight{where} (batch norm's "
+                 "moving statistics included), one per device; they differ by at most "
                  f"{result['copies_max_difference']:g}")
   if baseline:
     ratio = result["examples_per_second"] / baseline["examples_per_second"]
     lines.append(f"  speed      {ratio:.2f}x the examples/second of one device")
-    if len(devices) > 1 and all("CPU" in d for d in devices):
-      lines.append(f"             (the {len(devices)} logical CPU devices share "
+    if len(devices) * workers > 1 and all("CPU" in d for d in devices):
+      lines.append(f"             (the {len(devices) * workers} logical CPU devices share "
                    f"{os.cpu_count()} cores: expect a speed-up only on GPUs)")
   lines.append("  * timed after the first step, so tf.function tracing is excluded "
                f"(first step: {result['first_step_time']:.1f} s)")

@@ -69,6 +69,28 @@ def test_ps_strategy_trains_on_a_local_cluster():
   assert result["accuracy"] >= 0.95
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_multi_worker_strategy_trains_on_two_worker_processes(loop):
+  """--strategy=multi_worker: 2 worker processes x 2 towers, synchronous."""
+  result = demo.train(demo.Config(strategy="multi_worker", towers=4, seed=1, epochs=12,
+                                  loop=loop))
+  assert result["strategy"] == "MultiWorkerMirroredStrategy"
+  assert result["label"] == "multi_worker, 4 towers" and result["workers"] == 2
+  assert [d.split("/")[-1] for d in result["devices"]] == ["device:CPU:0", "device:CPU:1"]
+  assert "across the worker processes" in result["reduction"]
+  assert result["copies"] == 2 and result["copies_max_difference"] == 0.0
+  assert result["accuracy"] >= 0.95 and result["final_loss"] < 0.1, result
+  report = demo.format_report(demo.Config(strategy="multi_worker", loop=loop), result)
+  assert "of each of 2 worker processes" in report
+
+
+def test_multi_worker_towers_must_split_over_the_workers():
+  with pytest.raises(ValueError, match=r"--towers must be a multiple of 2. Received: "
+                                       r"--towers=3"):
+    demo.train(demo.Config(strategy="multi_worker", towers=3, epochs=1))
+
+
 def test_unknown_loop_is_rejected():
   with pytest.raises(ValueError, match=r"loop must be one of \('fit', 'custom'\). Received: "
                                        r"loop='keras'"):

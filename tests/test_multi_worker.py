@@ -200,6 +200,52 @@ def _fault_fn(strategy, sync_dir, fault, checkpoint_dir):
   return result
 
 
+KERAS_BATCH = 10  # Over 4 towers: 3, 3, 2, 2 examples; worker 0 gets 6, worker 1 gets 4.
+
+
+def _keras_data():
+  rng = np.random.default_rng(11)
+  x = rng.normal(size=(30, 5)).astype(np.float32)
+  y = (x @ rng.normal(size=(5, 2)) + 0.1 * rng.normal(size=(30, 2))).astype(np.float32)
+  return x, y
+
+
+def _keras_run(strategy, checkpoint_path):
+  """model.fit (validation, ModelCheckpoint), evaluate, predict: a Keras MLP, Keras Adam."""
+  import keras  # pylint: disable=import-outside-toplevel
+  x, y = _keras_data()
+  with strategy.scope():
+    model = keras.Sequential([
+        keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+        keras.layers.BatchNormalization(synchronized=True), keras.layers.Dense(2)])
+    rng = np.random.default_rng(12)
+    model.set_weights([rng.normal(size=w.shape).astype(np.float32) * 0.5 + (w != 0)
+                       for w in model.get_weights()])  # (moving variance stays positive)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+  history = model.fit(x, y, batch_size=KERAS_BATCH, epochs=3, shuffle=False, verbose=0,
+                      validation_data=(x[:14], y[:14]),
+                      callbacks=[keras.callbacks.ModelCheckpoint(checkpoint_path)])
+  evaluation = model.evaluate(x, y, batch_size=KERAS_BATCH, verbose=0)
+  predictions = model.predict(x, batch_size=KERAS_BATCH, verbose=0)
+  return {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+          "evaluation": [float(v) for v in evaluation],
+          "predictions": np.asarray(predictions).tolist(),
+          "weights": [w.tolist() for w in model.get_weights()],
+          "iterations": int(model.optimizer.iterations.numpy())}
+
+
+def _keras_fit_fn(strategy, checkpoint_dir):
+  import keras  # pylint: disable=import-outside-toplevel
+  # Callbacks run in every worker: each writes its own file, as with checkpoints.
+  name = "model.keras" if strategy.is_chief else f"model_{strategy.task_id}.keras"
+  result = _keras_run(strategy, os.path.join(checkpoint_dir, name))
+  with strategy.scope():
+    dropout = keras.layers.Dropout(0.5, seed=7)
+    masks = strategy.call_for_each_tower(lambda: dropout(tf.ones((1, 32)), training=True))
+    result["masks"] = (strategy.gather(masks, axis=0).numpy() != 0).tolist()
+  return result
+
+
 def _touch(path):
   with open(path, "w"):
     pass
@@ -329,6 +375,36 @@ def test_restart_and_restore_resume_training(tmp_path):
   assert second[0]["first_loss"] == pytest.approx(first[0]["last_loss"], rel=1e-5)
   assert second[0]["last_loss"] < second[0]["first_loss"] < first[0]["first_loss"]
   assert first[0]["last_loss"] == pytest.approx(first[1]["last_loss"], rel=1e-6)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_device(tmp_path):
+  import keras  # pylint: disable=import-outside-toplevel
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, result_timeout=TIMEOUT) as c:
+    results = c.run_on_workers(_keras_fit_fn, checkpoint_dir=str(tmp_path))
+  # The reference: this process, one device, no strategy, the same global batches.
+  reference = _keras_run(ds.DefaultStrategy(), str(tmp_path / "reference.keras"))
+  assert reference["iterations"] == 9  # 3 epochs of 3 batches.
+  assert sorted(reference["history"]) == ["loss", "mae", "val_loss", "val_mae"]
+  for result in results:
+    assert result["iterations"] == reference["iterations"]
+    assert sorted(result["history"]) == sorted(reference["history"])
+    for key, values in reference["history"].items():
+      np.testing.assert_allclose(result["history"][key], values, rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(result["evaluation"], reference["evaluation"], rtol=1e-5)
+    # predict returns every worker's towers' rows, in input order, in every worker.
+    np.testing.assert_allclose(result["predictions"], reference["predictions"],
+                               rtol=1e-5, atol=1e-6)
+    for got, want in zip(result["weights"], reference["weights"]):  # BN statistics too.
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Dropout: one mask per tower of every worker, no two the same.
+    assert len(result["masks"]) == 4
+    assert len({tuple(m) for m in result["masks"]}) == 4, "one mask repeated"
+  assert results[0]["masks"] == results[1]["masks"]  # Gathered from all towers in both.
+  # The chief's ModelCheckpoint file loads with no strategy, with the trained weights.
+  loaded = keras.models.load_model(str(tmp_path / "model.keras"))
+  for got, want in zip(loaded.get_weights(), reference["weights"]):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_multi_worker_argument_errors():

@@ -6,13 +6,11 @@ import os
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
-from diststrat import _input
 from diststrat.cluster import _connection
 from diststrat.cluster import _worker_group
 from diststrat.cross_tower_ops import _cross_worker
 from diststrat.strategies import _mirrored
 from diststrat.strategies import _tower_threads
-from diststrat.values import _variables
 from diststrat.values import _wrapped
 
 DEFAULT_COLLECTIVE_TIMEOUT = 60.0
@@ -161,23 +159,29 @@ class MultiWorkerMirroredStrategy(_mirrored.MirroredStrategy):
 
   # --- input, gathering, reads across workers ---
 
-  def _distribute_dataset(self, dataset_fn):
-    return _input.PerDeviceDataset(
-        dataset_fn(), self._devices, first_tower=self._worker_index * len(self._devices),
-        num_towers=len(self._all_devices))
+  def _batch_split(self):
+    return self._worker_index * len(self._devices), len(self._all_devices)
 
   def _gather(self, value, axis, destinations):
+    components = self._unwrap(value)
+    if all(getattr(c, "shape", None) is not None and c.shape.rank == 0 for c in components):
+      components, axis = [tf.reshape(c, [1]) for c in components], 0  # Stacked, as locally.
     gathered = self._cross_tower_ops.gather(_wrapped.PerDevice(
-        dict(zip(self._devices, self._unwrap(value)))), axis)
+        dict(zip(self._devices, components))), axis)
     if destinations is None:
       return gathered
     return self._broadcast(gathered, destinations)
 
-  def _read_var(self, v):
-    if isinstance(v, _variables.TowerLocalVariable):
-      copies = _wrapped.PerDevice({d: v.get(d).read_value() for d in v.devices})
-      return self._cross_tower_ops.reduce(v.aggregation, copies, self._devices[:1]).primary
-    return super()._read_var(v)
+  # --- tower-local variables (metrics): every copy of every worker ---
+
+  def _num_processes(self):
+    return self._num_workers
+
+  def _sum_across_processes(self, tensor):
+    if self._num_workers == 1:
+      return tensor
+    mine = _wrapped.PerDevice({self._devices[0]: tensor})
+    return self._cross_tower_ops.reduce("sum", mine, self._devices[:1]).primary
 
 
 def _from_tf_config(text):

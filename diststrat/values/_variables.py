@@ -375,9 +375,13 @@ class MirroredVariable(DistributedVariable):
       if floating:
         weights = strategy.unwrap(weight)
         weights = weights * len(parts) if len(weights) == 1 else weights
-        with tf.device(self.devices[0]):
-          # multiply_no_nan: a tower that got no example weighs 0 and may hold NaN.
-          merged = tf.add_n([tf.math.multiply_no_nan(p, w) for p, w in zip(parts, weights)])
+        weighted = {}
+        for device, part, w in zip(strategy.worker_devices, parts, weights):
+          with tf.device(device):
+            # multiply_no_nan: a tower that got no example weighs 0 and may hold NaN.
+            weighted[device] = tf.math.multiply_no_nan(part, w)
+        # Summed by the strategy: over every tower of every worker process, if several.
+        merged = strategy.reduce("sum", _wrapped.PerDevice(weighted), destinations=self)
       else:
         merged = parts[0]
       return strategy.update(self, lambda component, v: getattr(component, method)(
@@ -403,9 +407,16 @@ class TowerLocalVariable(DistributedVariable):
     values = [c.read_value() for c in self._index.values()]
     with tf.device(self.devices[0]):
       total = tf.math.add_n(values) if len(values) > 1 else tf.identity(values[0])
+      if self._strategy is not None:  # Several worker processes: every copy of every one.
+        total = self._strategy._sum_across_processes(total)  # pylint: disable=protected-access
       if self._aggregation == tf.VariableAggregation.MEAN:
-        total = total / tf.cast(len(values), total.dtype)
+        total = total / tf.cast(self._num_copies(), total.dtype)
     return total
+
+  def _num_copies(self):
+    """The copies of this variable in every process of its strategy."""
+    processes = 1 if self._strategy is None else self._strategy._num_processes()  # pylint: disable=protected-access
+    return len(self._index) * processes
 
   def value(self):
     if _in_real_tower() or _context.get_update_device() is not None:
@@ -432,7 +443,7 @@ class TowerLocalVariable(DistributedVariable):
     # For a sum, spread the value (or delta) over the copies so that they add up to it.
     del method
     if self._aggregation == tf.VariableAggregation.SUM:
-      return 1.0 / len(self._index)
+      return 1.0 / self._num_copies()
     return None
 
   def _saved_value(self):
