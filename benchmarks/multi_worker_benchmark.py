@@ -65,11 +65,12 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # `import diststrat` is this checkout's.
+# The shared benchmark MLP; the directory is put first also for LocalCluster's children,
+# which load this script by path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _mlp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 NUM_WORKERS = 2
-BATCH = 256
-LR = 0.01
-SHAPES = [(784, 1024), (1024,), (1024, 1024), (1024,), (1024, 10), (10,)]
 REDUCE_MIB = 64
 REDUCE_TENSORS = 50
 START_TIMEOUT = 240.0  # Seconds for a contender's workers to come up (a loaded machine).
@@ -125,34 +126,10 @@ def _parse_words(name, words):
 # --- the model and the data, shared by every contender ----------------------------------
 
 
-def initial_values(seed=0):
-  rng = np.random.default_rng(seed)
-  values = []
-  for shape in SHAPES:
-    scale = np.sqrt(2.0 / shape[0]) if len(shape) > 1 else 0.0
-    values.append((rng.standard_normal(shape) * scale).astype(np.float32))
-  return values
-
-
-def make_batch(seed=1):
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal((BATCH, 784)).astype(np.float32)
-  y = rng.integers(0, 10, BATCH).astype(np.int32)
-  return x, y
-
-
 def shards(num_towers):
   """The global batch split into `num_towers` parts, in global tower order."""
-  x, y = make_batch()
+  x, y = _mlp.make_batch()
   return list(zip(np.array_split(x, num_towers), np.array_split(y, num_towers)))
-
-
-def loss_fn(tf, variables, x, y):
-  w1, b1, w2, b2, w3, b3 = variables
-  h = tf.nn.relu(x @ w1 + b1)
-  h = tf.nn.relu(h @ w2 + b2)
-  logits = h @ w3 + b3
-  return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)) / BATCH
 
 
 def reduce_inputs(seed):
@@ -180,8 +157,8 @@ def build_diststrat(spec, task, cpus, options):
   devices = list(strategy.worker_devices)
   first = task * len(devices)
   with strategy.scope():
-    variables = [tf.Variable(v, name=f"mlp_{i}") for i, v in enumerate(initial_values())]
-    opt = ds.optimizers.GradientDescent(LR, loss_reduction="sum")
+    variables = [tf.Variable(v, name=f"mlp_{i}") for i, v in enumerate(_mlp.initial_values())]
+    opt = ds.optimizers.GradientDescent(_mlp.LR, loss_reduction="sum")
   parts = shards(strategy.num_towers)
   xs, ys = {}, {}
   for i, d in enumerate(devices):
@@ -190,7 +167,7 @@ def build_diststrat(spec, task, cpus, options):
   px, py = ds.values.PerDevice(xs), ds.values.PerDevice(ys)
 
   def tower_fn(x, y):
-    opt.minimize(lambda: loss_fn(tf, variables, x, y), var_list=variables)
+    opt.minimize(lambda: _mlp.loss_fn(tf, variables, x, y), var_list=variables)
 
   @tf.function
   def step(px, py):
@@ -217,7 +194,7 @@ def build_diststrat(spec, task, cpus, options):
     reduce_all = tf.function(reduce_all)
 
   def check():
-    return float(loss_fn(tf, [v.read_value() for v in variables], *make_batch()))
+    return float(_mlp.loss_fn(tf, [v.read_value() for v in variables], *_mlp.make_batch()))
 
   described = {"replicas": strategy.num_towers, "replicas_per_worker": len(devices),
                "devices": devices, "cross_worker_ops": repr(ops),
@@ -238,7 +215,7 @@ def build_tf_distribute(spec, task, cpus, options):
       communication_options=tf.distribute.experimental.CommunicationOptions(
           implementation=implementation))
   with strategy.scope():
-    variables = [tf.Variable(v, name=f"mlp_{i}") for i, v in enumerate(initial_values())]
+    variables = [tf.Variable(v, name=f"mlp_{i}") for i, v in enumerate(_mlp.initial_values())]
   parts = shards(strategy.num_replicas_in_sync)
   batch = strategy.experimental_distribute_values_from_function(
       lambda ctx: tuple(tf.constant(a) for a in parts[ctx.replica_id_in_sync_group]))
@@ -247,12 +224,12 @@ def build_tf_distribute(spec, task, cpus, options):
     reduced = s.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM,
                                          [(g, v) for g, v in zip(grads, variables)])
     for v, g in zip(variables, reduced):
-      s.extended.update(v, lambda var, gc: var.assign_sub(LR * gc), args=(g,))
+      s.extended.update(v, lambda var, gc: var.assign_sub(_mlp.LR * gc), args=(g,))
 
   def replica_fn(b):
     x, y = b
     with tf.GradientTape() as tape:
-      loss = loss_fn(tf, variables, x, y)
+      loss = _mlp.loss_fn(tf, variables, x, y)
     grads = tape.gradient(loss, variables)
     tf.distribute.get_replica_context().merge_call(apply, args=(grads,))
 
@@ -276,7 +253,7 @@ def build_tf_distribute(spec, task, cpus, options):
     reduce_all = tf.function(reduce_all)
 
   def check():
-    return float(loss_fn(tf, [v.read_value() for v in variables], *make_batch()))
+    return float(_mlp.loss_fn(tf, [v.read_value() for v in variables], *_mlp.make_batch()))
 
   local = strategy.extended.worker_devices
   described = {"replicas": strategy.num_replicas_in_sync, "replicas_per_worker": len(local),
@@ -413,11 +390,6 @@ class _Contender:
           pass
 
 
-def summarize(values):
-  return {"median": statistics.median(values), "min": min(values), "max": max(values),
-          "values": values}
-
-
 def run_shape(cpus, names, rounds, seconds):
   """All contenders on 2 workers x `cpus` devices, interleaved; returns their entries."""
   contenders = []
@@ -444,7 +416,7 @@ def run_shape(cpus, names, rounds, seconds):
           answers = c.ask(kind, count)
           elapsed = [a["seconds"] for a in answers]
           if kind == "train":  # The global batch, summed over the workers' shares.
-            value = sum(count * BATCH / NUM_WORKERS / s for s in elapsed)
+            value = sum(count * _mlp.BATCH / NUM_WORKERS / s for s in elapsed)
           else:  # One tower's bytes, per second, in each worker (their mean).
             value = statistics.mean(count * REDUCE_MIB * 2**20 / s / 1e9 for s in elapsed)
           c.blocks[kind].append(value)
@@ -470,8 +442,8 @@ def run_shape(cpus, names, rounds, seconds):
              "workers": NUM_WORKERS, "ran": c.described, "warmup_loss": c.warmup_loss,
              "steps_per_block": c.steps, "reduces_per_block": c.reduces}
     for kind, key in (("train", "throughput"), ("reduce", "gb_per_s")):
-      entry[key] = summarize(c.blocks[kind])
-      entry[key + "_ratio"] = summarize(
+      entry[key] = _mlp.summarize(c.blocks[kind])
+      entry[key + "_ratio"] = _mlp.summarize(
           [a / b for a, b in zip(c.blocks[kind], best[kind].blocks[kind])])
       entry[key + "_ratio_against"] = best[kind].name
     entries.append(entry)
@@ -505,7 +477,7 @@ def print_shape(cpus, entries):
           f"{', '.join(ran['devices'])}; all-reduce called in {ran['all_reduce_call']}; "
           f"{e['steps_per_block']} steps and {e['reduces_per_block']} all-reduces per block")
   losses = {e["label"]: e["warmup_loss"] for e in entries}
-  print(f"\nLoss after the 11 warm-up steps, per worker (the same algorithm everywhere): " +
+  print("\nLoss after the 11 warm-up steps, per worker (the same algorithm everywhere): " +
         "; ".join(f"{k} {', '.join(f'{x:.5f}' for x in v)}" for k, v in losses.items()))
   sys.stdout.flush()
 

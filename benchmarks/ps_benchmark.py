@@ -51,41 +51,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
-import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
+# The shared benchmark MLP; the directory is put first also for LocalCluster's children,
+# which load this script by path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _mlp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-BATCH = 256
-LR = 0.01
-SHAPES = [(784, 1024), (1024,), (1024, 1024), (1024,), (1024, 10), (10,)]
 START_TIMEOUT = 120.0
 BLOCK_TIMEOUT = 240.0
 
 
 # --- the model, shared by both contenders --------------------------------------------
-
-
-def initial_values(seed=0):
-  rng = np.random.default_rng(seed)
-  values = []
-  for shape in SHAPES:
-    scale = np.sqrt(2.0 / shape[0]) if len(shape) > 1 else 0.0
-    values.append((rng.standard_normal(shape) * scale).astype(np.float32))
-  return values
-
-
-def make_batch(seed=1):
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal((BATCH, 784)).astype(np.float32)
-  y = rng.integers(0, 10, BATCH).astype(np.int32)
-  return x, y
-
-
-def loss_fn(variables, x, y):
-  w1, b1, w2, b2, w3, b3 = variables
-  h = tf.nn.relu(x @ w1 + b1)
-  h = tf.nn.relu(h @ w2 + b2)
-  logits = h @ w3 + b3
-  return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)) / BATCH
 
 
 def ps_bytes(pid):
@@ -132,19 +108,19 @@ def diststrat_worker(strategy, seconds, warmup, sync_dir, block, cache_reads, ea
   import diststrat as ds  # pylint: disable=g-import-not-at-top
   strategy.cache_reads = cache_reads
   with strategy.scope():
-    variables = [tf.Variable(v, name=f"mlp_{i}") for i, v in enumerate(initial_values())]
-    opt = ds.optimizers.GradientDescent(LR)
+    variables = [tf.Variable(v, name=f"mlp_{i}") for i, v in enumerate(_mlp.initial_values())]
+    opt = ds.optimizers.GradientDescent(_mlp.LR)
   devices = strategy.worker_devices
-  per_tower = BATCH // len(devices)  # loss_fn divides by BATCH: tower gradients add up.
+  per_tower = _mlp.BATCH // len(devices)  # loss_fn divides by BATCH: tower gradients add up.
   batch = {}
   for i, device in enumerate(devices):
     with tf.device(device):
       batch[device] = [tf.constant(a[i * per_tower:(i + 1) * per_tower])
-                       for a in make_batch()]
+                       for a in _mlp.make_batch()]
   xs, ys = (ds.values.PerDevice({d: batch[d][k] for d in devices}) for k in (0, 1))
 
   def tower_fn(x, y):
-    return opt.minimize(lambda: loss_fn(variables, x, y), var_list=variables)
+    return opt.minimize(lambda: _mlp.loss_fn(tf, variables, x, y), var_list=variables)
 
   def step():
     strategy.call_for_each_tower(tower_fn, xs, ys)
@@ -165,14 +141,14 @@ def diststrat_worker(strategy, seconds, warmup, sync_dir, block, cache_reads, ea
   io_after = ps_bytes(ps_pid)
   x, y = batch[devices[0]]
   return {"steps": steps, "seconds": elapsed, "io": (io_before, io_after),
-          "loss": float(loss_fn(variables, x, y)) * len(devices)}
+          "loss": float(_mlp.loss_fn(tf, variables, x, y)) * len(devices)}
 
 
 def diststrat_block(cluster, seconds, warmup, sync_dir, block, cache_reads, eager):
   results = cluster.run_on_workers(diststrat_worker, seconds=seconds, warmup=warmup,
                                    sync_dir=sync_dir, block=block, cache_reads=cache_reads,
                                    eager=eager, ps_pid=cluster.pid("ps", 0))
-  throughput = sum(r["steps"] / r["seconds"] for r in results) * BATCH
+  throughput = sum(r["steps"] / r["seconds"] for r in results) * _mlp.BATCH
   # Bytes over worker 0's window, per step taken by both workers in that window.
   first = results[0]
   steps = sum(r["steps"] * min(1.0, first["seconds"] / r["seconds"]) for r in results)
@@ -202,8 +178,8 @@ def coordinator(spec, ps_pid):
   strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
   coord = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
   with strategy.scope():
-    variables = [tf.Variable(v) for v in initial_values()]
-  x_np, y_np = make_batch()
+    variables = [tf.Variable(v) for v in _mlp.initial_values()]
+  x_np, y_np = _mlp.make_batch()
 
   def dataset_fn():
     return tf.data.Dataset.from_tensors((x_np, y_np)).repeat()
@@ -214,9 +190,9 @@ def coordinator(spec, ps_pid):
   def step(iterator):
     def replica_fn(x, y):
       with tf.GradientTape() as tape:
-        loss = loss_fn(variables, x, y)
+        loss = _mlp.loss_fn(tf, variables, x, y)
       for v, g in zip(variables, tape.gradient(loss, variables)):
-        v.assign_sub(LR * g)
+        v.assign_sub(_mlp.LR * g)
       return loss
     x, y = next(iterator)
     return strategy.run(replica_fn, args=(x, y))
@@ -238,7 +214,7 @@ def coordinator(spec, ps_pid):
     elapsed = time.perf_counter() - start
     io_after = ps_bytes(ps_pid)
     loss = float(in_flight[-1].fetch()) if in_flight else float("nan")
-    print(json.dumps({"throughput": steps * BATCH / elapsed, "steps": [steps],
+    print(json.dumps({"throughput": steps * _mlp.BATCH / elapsed, "steps": [steps],
                       "loss": loss,
                       "ps_bytes_per_step": _bytes_per_step(io_before, io_after, steps)}),
           flush=True)
@@ -294,16 +270,11 @@ class _Peer:
 # --- the run ------------------------------------------------------------------------------
 
 
-def summarize(values):
-  return {"median": statistics.median(values), "min": min(values), "max": max(values),
-          "values": values}
-
-
 CONTENDERS = ("diststrat cached", "diststrat uncached", "tf.distribute")
 
 
 def _ratios(blocks, numerator, denominator):
-  return summarize([a["throughput"] / b["throughput"]
+  return _mlp.summarize([a["throughput"] / b["throughput"]
                     for a, b in zip(blocks[numerator], blocks[denominator])])
 
 
@@ -350,7 +321,7 @@ def run(rounds, seconds, warmup, towers, eager):
       "diststrat": f"{towers_text}, step {'eager' if eager else 'in one tf.function'}",
       "rounds": rounds, "seconds_per_block": seconds, "warmup_steps": warmup,
       "towers": towers, "eager": eager,
-      "throughput": {name: summarize([b["throughput"] for b in blocks[name]])
+      "throughput": {name: _mlp.summarize([b["throughput"] for b in blocks[name]])
                      for name in CONTENDERS},
       "vs_tf_distribute": {name: _ratios(blocks, name, "tf.distribute")
                            for name in CONTENDERS},

@@ -18,7 +18,6 @@ import pytest
 import tensorflow as tf
 
 import diststrat as ds
-from conftest import CPUS
 from keras_cases import STRATEGIES, TOL, assert_all_close, assert_copies_equal, copies
 
 keras = pytest.importorskip("keras")

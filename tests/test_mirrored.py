@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import diststrat as ds
-from diststrat.values import Mirrored, MirroredVariable, PerDevice, TowerLocalVariable
+from diststrat.values import Mirrored, MirroredVariable, TowerLocalVariable
 from diststrat.strategies import _tower_threads
 from conftest import CPUS
 

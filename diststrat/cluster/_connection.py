@@ -95,6 +95,35 @@ def normalize_cluster_spec(cluster_spec, task_type, task_id, with_ps=True):
   return spec
 
 
+class ClusterTaskMixin:
+  """The cluster properties of a strategy that runs as one task of a cluster.
+
+  The strategy sets `_cluster_spec` (the normalized spec, or None outside a cluster),
+  `_task_type` and `_task_id`.
+  """
+
+  _cluster_spec = None
+  _task_type = None
+  _task_id = None
+
+  @property
+  def cluster_spec(self):
+    """The cluster spec as {job: [address, ...]}, or None outside a cluster."""
+    if self._cluster_spec is None:
+      return None
+    return {job: list(addresses) for job, addresses in self._cluster_spec.items()}
+
+  @property
+  def task_type(self):
+    """This process's job in the cluster ("worker", ...)."""
+    return self._task_type
+
+  @property
+  def task_id(self):
+    """This process's index in its job."""
+    return self._task_id
+
+
 class ClusterConnection:
   """This process's link to a parameter-server cluster; see the module docstring.
 

@@ -17,7 +17,7 @@ DEFAULT_COLLECTIVE_TIMEOUT = 60.0
 """Seconds a collective across workers waits for the other workers before it fails."""
 
 
-class MultiWorkerMirroredStrategy(_mirrored.MirroredStrategy):
+class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.MirroredStrategy):
   """Synchronous training across worker processes, variables mirrored on every tower.
 
   The same program runs in every worker process. Each process runs towers on its own
@@ -101,21 +101,6 @@ class MultiWorkerMirroredStrategy(_mirrored.MirroredStrategy):
             f"workers={self._num_workers}, towers={len(self._all_devices)})")
 
   # --- the cluster ---
-
-  @property
-  def cluster_spec(self):
-    """The cluster spec as {job: [address, ...]}, or None for one process."""
-    if self._cluster_spec is None:
-      return None
-    return {job: list(addresses) for job, addresses in self._cluster_spec.items()}
-
-  @property
-  def task_type(self):
-    return self._task_type
-
-  @property
-  def task_id(self):
-    return self._task_id
 
   @property
   def is_chief(self):

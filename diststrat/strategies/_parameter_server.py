@@ -91,7 +91,7 @@ class VariablePlacer:
     return device
 
 
-class ParameterServerStrategy(DistributionStrategy):
+class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy):
   """Variables on parameter devices, towers on worker devices.
 
   Each variable lives once, on one parameter device chosen by `variable_placement`;
@@ -211,21 +211,6 @@ class ParameterServerStrategy(DistributionStrategy):
     return self._placer
 
   # --- cluster mode ---
-
-  @property
-  def cluster_spec(self):
-    """The cluster spec as {job: [address, ...]}, or None in one process."""
-    if self._cluster_spec is None:
-      return None
-    return {job: list(addresses) for job, addresses in self._cluster_spec.items()}
-
-  @property
-  def task_type(self):
-    return self._task_type
-
-  @property
-  def task_id(self):
-    return self._task_id
 
   @property
   def cache_reads(self):
