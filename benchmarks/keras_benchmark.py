@@ -35,6 +35,9 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 flags.DEFINE_string("out", "benchmarks/results/keras.json", "Where to write the JSON report.")
 flags.DEFINE_bool("quick", False, "A short smoke run (the MLP only, 2 rounds).")
 flags.DEFINE_integer("rounds", None, "Timed blocks per contender (default 7; 2 with --quick).")
@@ -46,16 +49,6 @@ FLAGS = flags.FLAGS
 
 BATCH = 256
 LR = 0.01
-
-
-def configure_devices(towers):
-  gpus = tf.config.list_physical_devices("GPU")
-  if gpus:
-    return [d.name for d in tf.config.list_logical_devices("GPU")][:towers]
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  tf.config.set_logical_device_configuration(
-      cpu, [tf.config.LogicalDeviceConfiguration()] * towers)
-  return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
 # --- the model and its data, the same for every contender --------------------------------
@@ -174,7 +167,7 @@ def fit_block(model, dataset, steps, clock=None):
 
 
 def run_group(kind, towers, rounds, steps):
-  devices = configure_devices(towers)
+  devices = _common.configure_devices(towers)
   entries = []
   for label, library, scope in contenders(devices):
     dataset = make_dataset(kind)
@@ -245,10 +238,7 @@ def main(argv):
     entries = run_in_subprocess(kind, args, rounds, steps)
     report["results"].extend(entries)
     print_table(kind, entries)
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(report, f, indent=2)
-  print(f"\nJSON written to {args.out}")
+  _common.write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 flags.DEFINE_string("out", "benchmarks/results/mirrored.json", "Where to write the JSON report.")
 flags.DEFINE_bool("quick", False, "A short smoke run.")
 flags.DEFINE_integer("rounds", None, "Timed blocks per contender (default 7; 2 with --quick).")
@@ -46,13 +49,7 @@ LR = 0.01
 
 
 def configure_devices():
-  gpus = tf.config.list_physical_devices("GPU")
-  if gpus:
-    return [d.name for d in tf.config.list_logical_devices("GPU")]
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  tf.config.set_logical_device_configuration(
-      cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES)
-  return [d.name for d in tf.config.list_logical_devices("CPU")]
+  return _common.configure_devices(NUM_DEVICES)
 
 
 # --- models: plain variables and a loss, shared by every contender -------------------
@@ -430,10 +427,7 @@ def main(argv):
     for library in ("diststrat", "tf.distribute"):
       report["memory"][library] = peak_memory(library, 20)
     print_memory(report["memory"])
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(report, f, indent=2)
-  print(f"\nJSON written to {args.out}")
+  _common.write_report(report, args.out)
 
 
 def _best_tf(entries, key="throughput"):

@@ -68,6 +68,7 @@ sys.path.insert(0, REPO)  # `import diststrat` is this checkout's.
 # The shared benchmark MLP; the directory is put first also for LocalCluster's children,
 # which load this script by path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 import _mlp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 NUM_WORKERS = 2
@@ -503,10 +504,7 @@ def main(argv):
     print_shape(cpus, entries)
   report["wall_seconds"] = time.perf_counter() - started
   report["load_after"] = os.getloadavg()
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(report, f, indent=2)
-  print(f"\nwall time {report['wall_seconds']:.0f} s; JSON written to {args.out}")
+  _common.write_report(report, args.out, suffix=f"wall time {report['wall_seconds']:.0f} s; ")
 
 
 if __name__ == "__main__":

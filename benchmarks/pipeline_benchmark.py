@@ -45,6 +45,9 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 NUM_DEVICES = 4
 LR = 0.01
 
@@ -64,13 +67,7 @@ flags.DEFINE_string("out", "", "Optional path of a JSON file for the results.")
 
 
 def configure_devices():
-  gpus = tf.config.list_physical_devices("GPU")
-  if gpus:
-    return [d.name for d in tf.config.list_logical_devices("GPU")][:NUM_DEVICES]
-  cpu = tf.config.list_physical_devices("CPU")[0]
-  tf.config.set_logical_device_configuration(
-      cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES)
-  return [d.name for d in tf.config.list_logical_devices("CPU")]
+  return _common.configure_devices(NUM_DEVICES)
 
 
 # --- traces: which stage ran when --------------------------------------------------------

@@ -55,6 +55,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 # The shared benchmark MLP; the directory is put first also for LocalCluster's children,
 # which load this script by path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 import _mlp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 START_TIMEOUT = 120.0
@@ -382,10 +383,7 @@ def main(argv):
   report = run(rounds, seconds, warmup=3 if args.quick else 5, towers=args.towers,
                eager=args.eager)
   print_report(report)
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(report, f, indent=2)
-  print(f"\nJSON written to {args.out}")
+  _common.write_report(report, args.out)
 
 
 if __name__ == "__main__":
