@@ -210,8 +210,8 @@ def _keras_data():
   return x, y
 
 
-def _keras_run(strategy, checkpoint_path):
-  """model.fit (validation, ModelCheckpoint), evaluate, predict: a Keras MLP, Keras Adam."""
+def _keras_run(strategy, checkpoint_path, export_path=None):
+  """model.fit (validation, ModelCheckpoint), evaluate, predict, export: a Keras MLP, Adam."""
   import keras  # pylint: disable=import-outside-toplevel
   x, y = _keras_data()
   with strategy.scope():
@@ -227,6 +227,8 @@ def _keras_run(strategy, checkpoint_path):
                       callbacks=[keras.callbacks.ModelCheckpoint(checkpoint_path)])
   evaluation = model.evaluate(x, y, batch_size=KERAS_BATCH, verbose=0)
   predictions = model.predict(x, batch_size=KERAS_BATCH, verbose=0)
+  if export_path:
+    model.export(export_path, verbose=False)
   return {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
           "evaluation": [float(v) for v in evaluation],
           "predictions": np.asarray(predictions).tolist(),
@@ -238,7 +240,9 @@ def _keras_fit_fn(strategy, checkpoint_dir):
   import keras  # pylint: disable=import-outside-toplevel
   # Callbacks run in every worker: each writes its own file, as with checkpoints.
   name = "model.keras" if strategy.is_chief else f"model_{strategy.task_id}.keras"
-  result = _keras_run(strategy, os.path.join(checkpoint_dir, name))
+  export = "export" if strategy.is_chief else f"export_{strategy.task_id}"
+  result = _keras_run(strategy, os.path.join(checkpoint_dir, name),
+                      os.path.join(checkpoint_dir, export))
   with strategy.scope():
     dropout = keras.layers.Dropout(0.5, seed=7)
     masks = strategy.call_for_each_tower(lambda: dropout(tf.ones((1, 32)), training=True))
@@ -405,6 +409,10 @@ def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_devic
   loaded = keras.models.load_model(str(tmp_path / "model.keras"))
   for got, want in zip(loaded.get_weights(), reference["weights"]):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # The chief's SavedModel (model.export) serves the trained model.
+  exported = tf.saved_model.load(str(tmp_path / "export"))  # (kept: it owns the variables)
+  served = exported.serve(tf.constant(_keras_data()[0]))
+  np.testing.assert_allclose(served.numpy(), reference["predictions"], rtol=1e-5, atol=1e-6)
 
 
 def test_multi_worker_argument_errors():
