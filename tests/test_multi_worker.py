@@ -247,6 +247,12 @@ def _keras_fit_fn(strategy, checkpoint_dir):
     dropout = keras.layers.Dropout(0.5, seed=7)
     masks = strategy.call_for_each_tower(lambda: dropout(tf.ones((1, 32)), training=True))
     result["masks"] = (strategy.gather(masks, axis=0).numpy() != 0).tolist()
+    # A tower-local sum assigned in cross-tower context reads back whole: 4 copies of 2.5.
+    total = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
+                        aggregation=tf.VariableAggregation.SUM)
+    total.assign(10.0)
+    result["tower_local"] = (float(total.numpy()), float(strategy.read_var(total)),
+                             [float(c) for c in strategy.unwrap(total)])
   return result
 
 
@@ -405,6 +411,8 @@ def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_devic
     assert len(result["masks"]) == 4
     assert len({tuple(m) for m in result["masks"]}) == 4, "one mask repeated"
   assert results[0]["masks"] == results[1]["masks"]  # Gathered from all towers in both.
+  for result in results:
+    assert result["tower_local"] == (10.0, 10.0, [2.5, 2.5])
   # The chief's ModelCheckpoint file loads with no strategy, with the trained weights.
   loaded = keras.models.load_model(str(tmp_path / "model.keras"))
   for got, want in zip(loaded.get_weights(), reference["weights"]):
