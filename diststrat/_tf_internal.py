@@ -82,6 +82,7 @@ import functools
 import inspect
 import re
 import sys
+import threading
 
 import grpc  # TensorFlow's own dependency: its gRPC runtime.
 
@@ -177,12 +178,40 @@ def current_control_dependencies():
 # --- collectives and fast calls ----------------------------------------------------------
 
 
+_ORDERING_TOKENS = {}  # device -> a resource variable on it (see `_ordering_token`)
+_ORDERING_TOKENS_LOCK = threading.Lock()
+
+
+def _ordering_token():
+  """The ordering token of the current device scope: a resource that orders collectives.
+
+  The V2 collective ops take it as an input, so TensorFlow's automatic control
+  dependencies chain the collectives of one device one after another (as every member
+  of every process builds them in the same order) and leave the members on other
+  devices of the same function free: chained together they would wait for each other.
+  One resource per device, made once, outside any function.
+  """
+  device = current_device()
+  with _ORDERING_TOKENS_LOCK:
+    token = _ORDERING_TOKENS.get(device)
+    if token is None:
+      with _ops.init_scope(), tf.device(device):
+        # The class itself, not tf.Variable: no strategy's variable creator sees it.
+        token = _resource_variable_ops.ResourceVariable(
+            0.0, trainable=False, name="diststrat_collective_ordering_token")
+      _ORDERING_TOKENS[device] = token
+  return [token.handle]
+
+
 def collective_all_reduce(value, group_size, group_key, instance_key, mean, timeout,
                           communication_hint="auto"):
-  """One member of a collective sum (V1 `CollectiveReduce`): every member gets the total.
+  """One member of a collective sum (`CollectiveReduceV2`): every member gets the total.
 
-  The V1 op, because inside one `tf.function` the V2 ops are chained one after another
-  by automatic control dependencies and deadlock without per-device ordering tokens.
+  Build it under `tf.device` of the member's device. The V2 op, with an ordering token
+  per device (`_ordering_token`): the V1 op keeps its resolved parameters in the kernel,
+  and run again before its previous run finished everywhere (as in the body of
+  `tf.while_loop`, which Keras's `steps_per_execution` uses) it failed intermittently
+  with "CollectiveRegistry::Lookup did not find collective implementation".
 
   Args:
     value: this member's tensor.
@@ -191,23 +220,25 @@ def collective_all_reduce(value, group_size, group_key, instance_key, mean, time
     timeout: seconds to wait for the other members; 0 waits forever.
     communication_hint: "auto" (a ring on CPUs) or "nccl".
   """
-  return _collective_ops.all_reduce(
+  return _collective_ops.all_reduce_v2(
       value, group_size, group_key, instance_key, merge_op="Add",
       final_op="Div" if mean else "Id", communication_hint=communication_hint,
-      timeout=timeout)
+      timeout=timeout, ordering_token=_ordering_token())
 
 
 def collective_all_gather(value, group_size, group_key, instance_key, timeout):
-  """One member of a collective gather (V1): every member gets all values, concatenated
-  along the first axis in group-rank order. Every member's value has the same shape."""
-  return _collective_ops.all_gather(value, group_size, group_key, instance_key,
-                                    timeout=timeout)
+  """One member of a collective gather (`CollectiveGatherV2`): every member gets all
+  values, concatenated along the first axis in group-rank order. Every member's value
+  has the same shape. Build it under `tf.device` of the member's device."""
+  return _collective_ops.all_gather_v2(value, group_size, group_key, instance_key,
+                                       timeout=timeout, ordering_token=_ordering_token())
 
 
 def collective_all_reduce_max(value, group_size, group_key, instance_key, timeout):
-  """One member of a collective maximum (V1 `CollectiveReduce` with merge_op "Max")."""
-  return _collective_ops.all_reduce(value, group_size, group_key, instance_key,
-                                    merge_op="Max", final_op="Id", timeout=timeout)
+  """One member of a collective maximum (`CollectiveReduceV2` with merge_op "Max")."""
+  return _collective_ops.all_reduce_v2(value, group_size, group_key, instance_key,
+                                       merge_op="Max", final_op="Id", timeout=timeout,
+                                       ordering_token=_ordering_token())
 
 
 def enable_cross_process_collectives(cluster_spec, task_type, task_id, leader):
@@ -225,8 +256,7 @@ def enable_cross_process_collectives(cluster_spec, task_type, task_id, leader):
     RuntimeError: TensorFlow was initialized already (an op ran, devices were listed).
   """
   context = _eager_context.context()
-  context.configure_collective_ops(collective_leader=leader,
-                                   scoped_allocator_enabled_ops=("CollectiveReduce",))
+  context.configure_collective_ops(collective_leader=leader)
   address = cluster_spec.task_address(task_type, task_id)
   server_def = _server_pb2.ServerDef(
       cluster=cluster_spec.as_cluster_def(), job_name=task_type, task_index=task_id,

@@ -221,7 +221,9 @@ def _keras_run(strategy, checkpoint_path, export_path=None):
     rng = np.random.default_rng(12)
     model.set_weights([rng.normal(size=w.shape).astype(np.float32) * 0.5 + (w != 0)
                        for w in model.get_weights()])  # (moving variance stays positive)
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    # 3 steps per execution: Keras runs them in a tf.while_loop, collectives and all.
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
+                  steps_per_execution=3)
   history = model.fit(x, y, batch_size=KERAS_BATCH, epochs=3, shuffle=False, verbose=0,
                       validation_data=(x[:14], y[:14]),
                       callbacks=[keras.callbacks.ModelCheckpoint(checkpoint_path)])

@@ -1,8 +1,8 @@
 """TensorFlow collective all-reduce, and the keys that name each collective.
 
-TensorFlow has no public API for collective ops outside `tf.distribute`; the op comes from
-`_tf_internal.collective_all_reduce` (the V1 op: see there why), and every algorithm that
-uses it calls `all_reduce` below.
+TensorFlow has no public API for collective ops outside `tf.distribute`; the ops come from
+`_tf_internal` (the V2 ops with an ordering token per device: see there why), and every
+algorithm that uses them calls the functions below.
 """
 
 import threading
