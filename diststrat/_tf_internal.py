@@ -13,7 +13,8 @@ Reaches, by what needs them:
   (`variable_creator_stack`, `set_variable_creator_stack`) and the control dependencies
   (`current_control_dependencies`).
 - Collective ops have no public API outside `tf.distribute`, which diststrat does not
-  build on (`collective_all_reduce`, `collective_all_gather`); nor has setting up
+  build on (`collective_all_reduce`, `collective_all_gather`, and `in_while_loop`, which
+  picks the op version); nor has setting up
   collectives across processes on the gRPC runtime, checking a peer's health, or
   aborting collectives that wait for a dead peer (`enable_cross_process_collectives`,
   `check_peer_health`, `abort_collectives`).
@@ -93,6 +94,7 @@ from tensorflow.python.eager import record as _record  # pylint: disable=g-direc
 from tensorflow.python.framework import ops as _ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.core.protobuf import tensorflow_server_pb2 as _server_pb2  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import collective_ops as _collective_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import control_flow_v2_func_graphs as _cf_func_graphs  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 from diststrat._tf import tf
@@ -182,6 +184,21 @@ _ORDERING_TOKENS = {}  # device -> a resource variable on it (see `_ordering_tok
 _ORDERING_TOKENS_LOCK = threading.Lock()
 
 
+def in_while_loop():
+  """Whether ops built now run in the body (or condition) of a `tf.while_loop`.
+
+  True also inside a `tf.function` traced from such a body (Keras's steps, with
+  `steps_per_execution` > 1, are traced from the body of its loop).
+  """
+  graph = _ops.get_default_graph()
+  while graph is not None:
+    if isinstance(graph, (_cf_func_graphs.WhileBodyFuncGraph,
+                          _cf_func_graphs.WhileCondFuncGraph)):
+      return True
+    graph = getattr(graph, "outer_graph", None)
+  return False
+
+
 def _ordering_token():
   """The ordering token of the current device scope: a resource that orders collectives.
 
@@ -203,15 +220,21 @@ def _ordering_token():
   return [token.handle]
 
 
+# Which op: the V1 collective ops keep the parameters they resolved inside the kernel,
+# and run again in a `tf.while_loop` body before an earlier run finished everywhere (Keras
+# with `steps_per_execution` > 1) they fail intermittently across processes with
+# "CollectiveRegistry::Lookup did not find collective implementation". The V2 ops resolve
+# them per run and are safe there, but with a timeout each run holds two threads (one
+# V1) until the timeout expires, finished or not: outside loops, the V1 op halves that.
+
+
 def collective_all_reduce(value, group_size, group_key, instance_key, mean, timeout,
                           communication_hint="auto"):
-  """One member of a collective sum (`CollectiveReduceV2`): every member gets the total.
+  """One member of a collective sum: every member gets the total.
 
-  Build it under `tf.device` of the member's device. The V2 op, with an ordering token
-  per device (`_ordering_token`): the V1 op keeps its resolved parameters in the kernel,
-  and run again before its previous run finished everywhere (as in the body of
-  `tf.while_loop`, which Keras's `steps_per_execution` uses) it failed intermittently
-  with "CollectiveRegistry::Lookup did not find collective implementation".
+  Build it under `tf.device` of the member's device. `CollectiveReduceV2` with an
+  ordering token per device (`_ordering_token`) inside a `tf.while_loop`, else the V1
+  `CollectiveReduce` (see the note above).
 
   Args:
     value: this member's tensor.
@@ -220,25 +243,36 @@ def collective_all_reduce(value, group_size, group_key, instance_key, mean, time
     timeout: seconds to wait for the other members; 0 waits forever.
     communication_hint: "auto" (a ring on CPUs) or "nccl".
   """
-  return _collective_ops.all_reduce_v2(
-      value, group_size, group_key, instance_key, merge_op="Add",
-      final_op="Div" if mean else "Id", communication_hint=communication_hint,
-      timeout=timeout, ordering_token=_ordering_token())
+  final_op = "Div" if mean else "Id"
+  if in_while_loop():
+    return _collective_ops.all_reduce_v2(
+        value, group_size, group_key, instance_key, merge_op="Add", final_op=final_op,
+        communication_hint=communication_hint, timeout=timeout,
+        ordering_token=_ordering_token())
+  return _collective_ops.all_reduce(
+      value, group_size, group_key, instance_key, merge_op="Add", final_op=final_op,
+      communication_hint=communication_hint, timeout=timeout)
 
 
 def collective_all_gather(value, group_size, group_key, instance_key, timeout):
-  """One member of a collective gather (`CollectiveGatherV2`): every member gets all
-  values, concatenated along the first axis in group-rank order. Every member's value
-  has the same shape. Build it under `tf.device` of the member's device."""
-  return _collective_ops.all_gather_v2(value, group_size, group_key, instance_key,
-                                       timeout=timeout, ordering_token=_ordering_token())
+  """One member of a collective gather: every member gets all values, concatenated along
+  the first axis in group-rank order. Every member's value has the same shape. V2 in a
+  `tf.while_loop`, else V1, as `collective_all_reduce`."""
+  if in_while_loop():
+    return _collective_ops.all_gather_v2(value, group_size, group_key, instance_key,
+                                         timeout=timeout, ordering_token=_ordering_token())
+  return _collective_ops.all_gather(value, group_size, group_key, instance_key,
+                                    timeout=timeout)
 
 
 def collective_all_reduce_max(value, group_size, group_key, instance_key, timeout):
-  """One member of a collective maximum (`CollectiveReduceV2` with merge_op "Max")."""
-  return _collective_ops.all_reduce_v2(value, group_size, group_key, instance_key,
-                                       merge_op="Max", final_op="Id", timeout=timeout,
-                                       ordering_token=_ordering_token())
+  """One member of a collective maximum (merge_op "Max"); V2 or V1 as above."""
+  if in_while_loop():
+    return _collective_ops.all_reduce_v2(value, group_size, group_key, instance_key,
+                                         merge_op="Max", final_op="Id", timeout=timeout,
+                                         ordering_token=_ordering_token())
+  return _collective_ops.all_reduce(value, group_size, group_key, instance_key,
+                                    merge_op="Max", final_op="Id", timeout=timeout)
 
 
 def enable_cross_process_collectives(cluster_spec, task_type, task_id, leader):
@@ -256,7 +290,8 @@ def enable_cross_process_collectives(cluster_spec, task_type, task_id, leader):
     RuntimeError: TensorFlow was initialized already (an op ran, devices were listed).
   """
   context = _eager_context.context()
-  context.configure_collective_ops(collective_leader=leader)
+  context.configure_collective_ops(collective_leader=leader,
+                                   scoped_allocator_enabled_ops=("CollectiveReduce",))
   address = cluster_spec.task_address(task_type, task_id)
   server_def = _server_pb2.ServerDef(
       cluster=cluster_spec.as_cluster_def(), job_name=task_type, task_index=task_id,

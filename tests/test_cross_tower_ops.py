@@ -346,7 +346,7 @@ def test_destinations_other_than_the_values_devices_reduce_on_one_device(algorit
     return list(ops.reduce("sum", PerDevice({CPUS[0]: x, CPUS[1]: y}), "/cpu:2").values)
 
   graph = tf.function(fn).get_concrete_function(*value.values).graph
-  assert "CollectiveReduceV2" not in {op.type for op in graph.get_operations()}
+  assert "CollectiveReduce" not in {op.type for op in graph.get_operations()}
 
 
 def test_matching_destinations_use_the_all_reduce():
@@ -356,7 +356,7 @@ def test_matching_destinations_use_the_all_reduce():
     fn = tf.function(lambda x, y, d=destinations: list(
         ops.reduce("sum", PerDevice({CPUS[0]: x, CPUS[1]: y}), d).values))
     graph = fn.get_concrete_function(*value.values).graph
-    assert [op.type for op in graph.get_operations()].count("CollectiveReduceV2") == 2
+    assert [op.type for op in graph.get_operations()].count("CollectiveReduce") == 2
   result = ops.reduce("sum", value, ["/cpu:1", "/cpu:0"])
   assert result.devices == (CPUS[1], CPUS[0])
   assert [v.device for v in result.values] == [CPUS[1], CPUS[0]]
@@ -623,8 +623,8 @@ def test_collective_keys_are_deterministic_and_never_reused():
     fn = tf.function(lambda x, y: list(
         ops.reduce("sum", PerDevice({CPUS[0]: x, CPUS[1]: y})).values))
     graph = fn.get_concrete_function(tf.ones(shape), tf.ones(shape)).graph
-    keys.append({int(tf.get_static_value(op.inputs[3])) for op in graph.get_operations()
-                 if op.type == "CollectiveReduceV2"})  # inputs: t, size, group, instance
+    keys.append({op.get_attr("instance_key") for op in graph.get_operations()
+                 if op.type == "CollectiveReduce"})
   assert len(keys[0]) == len(keys[1]) == 1 and not keys[0] & keys[1]
 
 

@@ -97,6 +97,42 @@ def test_collective_all_reduce():
                                err_msg=_broke("collective_all_reduce", "wrong sum"))
 
 
+def test_in_while_loop_and_collectives_in_a_loop():
+  seen = {}
+
+  @tf.function
+  def inner(i):
+    seen["nested"] = _tf_internal.in_while_loop()
+    outputs = []
+    for k, device in enumerate(CPUS[:2]):
+      with tf.device(device):
+        outputs.append(_tf_internal.collective_all_reduce(
+            tf.stack([tf.cast(i, tf.float32), float(k + 1)]), 2, 900_002, 900_000_002,
+            mean=False, timeout=30))
+    return outputs[0] + outputs[1]
+
+  @tf.function
+  def loop():
+    seen["function"] = _tf_internal.in_while_loop()
+
+    def body(i, total):
+      seen["body"] = _tf_internal.in_while_loop()
+      return i + 1, total + inner(i)
+
+    return tf.while_loop(lambda i, _: i < 3, body, (0, tf.zeros([2])))[1]
+
+  total = loop()
+  assert seen == {"function": False, "body": True, "nested": True}, _broke(
+      "in_while_loop", f"saw {seen}")
+  # Each run: [2i, 3] on both devices, added: [4i, 6]; over i = 0, 1, 2: [12, 18].
+  np.testing.assert_allclose(total.numpy(), [12.0, 18.0],
+                             err_msg=_broke("collective_all_reduce", "wrong sum in a loop"))
+  types = {op.type for f in inner._list_all_concrete_functions()  # pylint: disable=protected-access
+           for op in f.graph.get_operations()}
+  assert "CollectiveReduceV2" in types and "CollectiveReduce" not in types, _broke(
+      "collective_all_reduce", f"op types in a loop: {sorted(types)}")
+
+
 def test_call_flat():
   function = tf.function(lambda a, b: [a + b, a * b]).get_concrete_function(
       tf.constant(2.0), tf.constant(3.0))
