@@ -438,6 +438,9 @@ def test_multi_worker_argument_errors():
     ds.MultiWorkerMirroredStrategy(cross_worker_ops=ds.cross_tower_ops.ReductionToOneDevice())
   with pytest.raises(ValueError, match="scheme must be one of 'hierarchical', 'flat'"):
     ds.cross_tower_ops.CrossWorkerAllReduce("ring")
+  with pytest.raises(ValueError, match=r"bucket_bytes must be a positive integer \(bytes per "
+                                       r"collective\) or None .* Received: bucket_bytes=0"):
+    ds.cross_tower_ops.CrossWorkerAllReduce(bucket_bytes=0)
   with pytest.raises(ValueError, match="strategy must be 'parameter_server' .* or "
                                        "'multi_worker'"):
     LocalCluster(num_ps=0).run_on_workers(_ragged_fn, strategy="parameter_server")

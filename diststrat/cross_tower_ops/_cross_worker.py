@@ -26,6 +26,13 @@ from diststrat.values import _wrapped
 
 SCHEMES = ("hierarchical", "flat")
 DEFAULT_TIMEOUT = 60.0
+DEFAULT_BUCKET_BYTES = 4 * 2**20
+"""Tensors of one dtype reduced across workers together, up to this many bytes a collective.
+
+Fewer collectives cost fewer launches and fewer threads: TensorFlow holds a thread for
+every run of a collective with a timeout until the timeout expires (docs/multi_worker.md).
+Buckets stay small enough that several run at once, which a gRPC ring needs to keep busy.
+"""
 
 
 class CrossWorkerAllReduce(_base.CrossTowerOps):
@@ -37,8 +44,11 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
   Args:
     scheme: "hierarchical" (within each worker, then across workers) or "flat" (one
       collective over all towers).
-    num_packs: 1 reduces tensor by tensor; more concatenates the tensors of one dtype
-      into `num_packs` chunks before the collective, as `AllReduceCrossTowerOps` does.
+    num_packs: 1: buckets (below); more concatenates the tensors of one dtype into
+      `num_packs` chunks before the collective, as `AllReduceCrossTowerOps` does.
+    bucket_bytes: with `num_packs=1`, the tensors of one dtype, in order, are
+      concatenated into buckets of at most this many bytes, one collective each (a larger
+      tensor is reduced alone). None: one collective per tensor.
     timeout: seconds a collective waits for the other workers before it fails
       (`DeadlineExceededError`), instead of hanging.
 
@@ -50,7 +60,8 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
 
   _one_value_is_the_total = False  # Other workers hold values too.
 
-  def __init__(self, scheme="hierarchical", num_packs=1, timeout=DEFAULT_TIMEOUT):
+  def __init__(self, scheme="hierarchical", num_packs=1, timeout=DEFAULT_TIMEOUT,
+               bucket_bytes=DEFAULT_BUCKET_BYTES):
     super().__init__()
     if scheme not in SCHEMES:
       raise ValueError(f"scheme must be one of {', '.join(map(repr, SCHEMES))}. Received: "
@@ -58,8 +69,14 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 1:
       raise ValueError("num_packs must be an integer >= 1 (1: no packing). Received: "
                        f"num_packs={num_packs!r}")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
+                                     not isinstance(bucket_bytes, int) or bucket_bytes < 1):
+      raise ValueError("bucket_bytes must be a positive integer (bytes per collective) or "
+                       f"None (one collective per tensor). Received: bucket_bytes="
+                       f"{bucket_bytes!r}")
     self._scheme = scheme
     self._num_packs = num_packs
+    self._bucket_bytes = bucket_bytes
     self._timeout = _arguments.seconds("timeout", timeout, allow_none=False)
     self._cluster = None
 
@@ -72,7 +89,10 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     return self._timeout
 
   def __repr__(self):
-    return f"CrossWorkerAllReduce(scheme={self._scheme!r}, num_packs={self._num_packs})"
+    buckets = ("" if self._bucket_bytes == DEFAULT_BUCKET_BYTES
+               else f", bucket_bytes={self._bucket_bytes!r}")
+    return (f"CrossWorkerAllReduce(scheme={self._scheme!r}, num_packs={self._num_packs}"
+            f"{buckets})")
 
   def bind(self, local_devices, all_devices, worker_index, num_workers):
     """Binds this to a cluster. Called by the strategy; every worker binds the same way.
@@ -201,12 +221,34 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
         reduced = [(self._leaders_sum(c),) for c in chunks]
         totals = packing.unpack([r for (r,) in _collective.run_together(reduced, local[:1])])
     else:
-      summed = [(self._leaders_sum(t),) for t in tensors]
-      totals = [t for (t,) in _collective.run_together(summed, local[:1])]
+      totals = self._bucketed_sum(tensors)
     if not mean:
       return totals
     with tf.device(local[0]):
       return [_base.divide(t, len(all_devices)) for t in totals]
+
+  def _bucketed_sum(self, tensors):
+    """The leaders' sums of `tensors`, bucket by bucket (`_packing.bucket_plan`)."""
+    local = self._bound()[0]
+    plan = _packing.bucket_plan(tensors, self._bucket_bytes)
+    with tf.device(local[0]):
+      reduced = []
+      for bucket in plan:
+        if len(bucket) == 1:
+          reduced.append((self._leaders_sum(tensors[bucket[0]]),))
+        else:
+          flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in bucket], axis=0)
+          reduced.append((self._leaders_sum(flat),))
+      reduced = [r for (r,) in _collective.run_together(reduced, local[:1])]
+      totals = [None] * len(tensors)
+      for bucket, total in zip(plan, reduced):
+        if len(bucket) == 1:
+          totals[bucket[0]] = total
+          continue
+        parts = tf.split(total, [tensors[i].shape.num_elements() for i in bucket])
+        for i, part in zip(bucket, parts):
+          totals[i] = tf.reshape(part, tensors[i].shape)
+    return totals
 
   def _leaders_sum(self, tensor):
     if tensor.shape.num_elements() == 0:

@@ -82,3 +82,35 @@ class Packing:
         tensors.append(tf.reshape(pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0),
                                   shape))
     return tensors
+
+
+def bucket_plan(tensors, bucket_bytes):
+  """Groups tensors, in order, into buckets of one dtype of at most `bucket_bytes` each.
+
+  A tensor of unknown shape, with no element, or larger than `bucket_bytes` is a bucket
+  of its own; `bucket_bytes=None` makes every tensor its own bucket. The plan depends
+  only on the tensors' shapes, dtypes and order, so every process plans the same.
+
+  Returns:
+    Lists of indices into `tensors`, ordered by their first index.
+
+  Example:
+    >>> import tensorflow as tf
+    >>> bucket_plan([tf.zeros([100]), tf.zeros([3], tf.int32), tf.zeros([200]),
+    ...              tf.zeros([900])], bucket_bytes=1200)
+    [[0, 2], [1], [3]]
+  """
+  buckets, open_bucket = [], {}  # open_bucket: dtype -> (bucket, bytes in it)
+  for i, t in enumerate(tensors):
+    size = t.shape.num_elements() if t.shape.is_fully_defined() else None
+    nbytes = None if size is None else size * t.dtype.size
+    if bucket_bytes is None or not nbytes or nbytes > bucket_bytes:
+      buckets.append([i])
+      continue
+    bucket, used = open_bucket.get(t.dtype, (None, 0))
+    if bucket is None or used + nbytes > bucket_bytes:
+      bucket, used = [], 0
+      buckets.append(bucket)
+    bucket.append(i)
+    open_bucket[t.dtype] = (bucket, used + nbytes)
+  return buckets
