@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[tf-cpu,test,demo]"
+	$(PY) -m pip install --quiet -e ".[tf-cpu,test,demo,bench]"
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
@@ -28,7 +28,7 @@ test: install
 demo: export TF_CPP_MIN_LOG_LEVEL ?= 2
 demo: export TF_ENABLE_ONEDNN_OPTS ?= 0
 demo: install
-	$(PY) -m diststrat.demo $(DEMO_ARGS)
+	$(PY) examples/digits.py $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

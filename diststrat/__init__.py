@@ -15,6 +15,7 @@ from diststrat import values as values
 from diststrat import strategies as strategies
 from diststrat import cluster as cluster
 from diststrat import pipeline as pipeline
+from diststrat import _keras
 from diststrat._context import TowerContext as TowerContext
 from diststrat._context import get_cross_tower_context as get_cross_tower_context
 from diststrat._context import get_distribution_strategy as get_distribution_strategy
@@ -31,6 +32,8 @@ from diststrat.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirro
 from diststrat.strategies import ParameterServerStrategy as ParameterServerStrategy
 
 __version__ = "0.1.0"
+
+_keras.install()  # Keras 3 models, optimizers and `fit` under every strategy.
 
 __all__ = [
     "DistributionStrategy",

@@ -28,7 +28,7 @@ context. Contexts nest to any depth. Every push is paired with a pop in a `final
 Code above this module can follow the mode changes: `add_mode_listener(listener)`
 registers a function that is called with each mode entered (in `enter_mode`, and when a
 `ThreadState` is entered in another thread) and returns a context manager to hold while
-that mode is current. The tf.distribute bridge (diststrat/_tf_distribute_bridge.py)
+that mode is current. The tf.distribute bridge (diststrat/_keras/_bridge.py)
 uses this to keep TensorFlow's own idea of the current strategy in step with ours.
 """
 
@@ -56,15 +56,25 @@ def _stack():
   return stack
 
 
-def _default_strategy():
-  # The one import cycle of the package: the default strategy is a strategy, so its
-  # module imports this one; this module needs the default strategy only when called.
-  from diststrat.strategies import _default  # pylint: disable=g-import-not-at-top
-  return _default.default_strategy()
+_default = []  # The default strategy, once registered.
+
+
+def set_default_strategy(strategy):
+  """Registers the strategy in effect when none is entered (strategies/_default.py does,
+  when imported: `import diststrat` imports it)."""
+  _default[:] = [strategy]
+
+
+def default_strategy():
+  """The default strategy (see `set_default_strategy`)."""
+  if not _default:
+    raise RuntimeError("diststrat's default strategy is not registered: `import diststrat` "
+                       "(which registers it) before using diststrat's modules.")
+  return _default[0]
 
 
 def _default_mode():
-  return _Mode(_default_strategy(), default_tower_context())
+  return _Mode(default_strategy(), default_tower_context())
 
 
 def current_mode():
@@ -162,12 +172,12 @@ def get_distribution_strategy():
 
 def has_distribution_strategy():
   """True when a strategy other than the default one is in effect."""
-  return current_mode().strategy is not _default_strategy()
+  return current_mode().strategy is not default_strategy()
 
 
 def is_default_strategy(strategy):
   """True when `strategy` is the default strategy (the one in effect outside any scope)."""
-  return strategy is _default_strategy()
+  return strategy is default_strategy()
 
 
 # --- the device being updated inside update() / update_non_slot() ---
@@ -256,6 +266,12 @@ class TowerContext:
     return self._batch_share
 
   @property
+  def step_cache(self):
+    """State the strategy keeps for the `call_for_each_tower` call this tower runs in,
+    such as `ParameterServerStrategy`'s read cache; None when there is none."""
+    return None
+
+  @property
   def device(self):
     """The tower's device (for the default tower context: the current device scope)."""
     if self._device is None:
@@ -324,7 +340,7 @@ def default_tower_context():
   if _DEFAULT_TOWER_CONTEXT is None:
     with _DEFAULT_LOCK:
       if _DEFAULT_TOWER_CONTEXT is None:
-        _DEFAULT_TOWER_CONTEXT = TowerContext(_default_strategy(), 0, 1)
+        _DEFAULT_TOWER_CONTEXT = TowerContext(default_strategy(), 0, 1)
   return _DEFAULT_TOWER_CONTEXT
 
 

@@ -14,7 +14,6 @@ import wrapt
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _input
-from diststrat import _tf_distribute_bridge  # pylint: disable=unused-import
 from diststrat import _tf_internal
 from diststrat import errors
 from diststrat._arguments import as_tf_variable
@@ -310,14 +309,14 @@ class DistributionStrategy:
   # --- helpers shared by the public methods and by subclasses ---
 
   def _is_default(self):
-    return self is _context._default_strategy()  # pylint: disable=protected-access
+    return self is _context.default_strategy()
 
   def _cross_tower_guard(self, method_name):
     """Returns a context manager in which `method_name` may run, or raises."""
     mode = _context.current_mode()
     if mode.tower_context is None and mode.strategy is self:
       return contextlib.nullcontext()
-    default = _context._default_strategy()  # pylint: disable=protected-access
+    default = _context.default_strategy()
     in_default_context = _context.in_default_context()
     if in_default_context and self is default:
       return _context.cross_tower_mode(self)  # The default strategy's own context.

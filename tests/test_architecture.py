@@ -1,40 +1,64 @@
-"""The package's layers (docs/architecture.md) match its imports.
+"""The package's layers and its TensorFlow boundary (docs/architecture.md) match its code.
 
-Every module belongs to one layer; a module imports only from lower layers or, inside
-its own layer, without cycles. Imports sit at the top of modules, except the one
-documented cycle (the context module finds the default strategy when first asked).
+- Every module belongs to one layer; a module imports only from lower layers or, inside
+  its own layer, without cycles. Relative imports are resolved first, so an upward one
+  fails like an absolute one. Imports sit at the top of modules.
+- Only the boundary (`diststrat/_tf_internal/`) reaches past TensorFlow's and Keras's
+  public API: imports of `tensorflow.python`, `tensorflow.core` or `keras.src`, module
+  names of theirs in strings, `tf.__internal__`, a private attribute of a TensorFlow or
+  Keras object (read, written, or named to getattr/setattr/hasattr), and calls of the
+  private protocol methods TensorFlow calls on diststrat's objects.
+- Every name the boundary exports has a test named after it in tests/test_tf_internal.py
+  (the name, in snake case, is part of the test's name).
 """
 
 import ast
 import pathlib
+import re
 
+import keras
 import pytest
+import tensorflow as tf
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "diststrat"
+import diststrat  # pylint: disable=unused-import
+from diststrat import _tf_internal
 
-# Lowest first; the same order as the picture in docs/architecture.md.
+TESTS = pathlib.Path(__file__).resolve().parent
+ROOT = TESTS.parent / "diststrat"
+BOUNDARY = "_tf_internal"
+
+# Lowest first; the same order as the picture in docs/architecture.md. A package's
+# `__init__` is named by the package ("" is diststrat/__init__.py).
 LAYERS = [
-    ("foundation", ["_tf", "errors", "_tf_internal", "_devices", "_arguments"]),
+    ("foundation", ["_tf", "_tf_internal._base", "_tf_internal._autograph",
+                    "_tf_internal._thread_state", "_tf_internal._collectives",
+                    "_tf_internal._functions", "_tf_internal._cluster_rpc",
+                    "_tf_internal._variables", "_tf_internal._tapes", "_tf_internal._keras",
+                    "_tf_internal._distribute_stack", "_tf_internal", "errors", "_devices",
+                    "_arguments"]),
     ("contexts", ["_context"]),
     ("values", ["values._wrapped", "values._variables", "_input"]),
     ("reductions", ["cross_tower_ops._packing", "cross_tower_ops._collective",
                     "cross_tower_ops._launch", "cross_tower_ops._base",
                     "cross_tower_ops._one_device", "cross_tower_ops._all_reduce",
-                    "cross_tower_ops._cross_worker", "cross_tower_ops"]),
-    ("strategy machinery", ["_tf_distribute_bridge", "_strategy", "strategies._tower_threads",
-                            "cluster._watchdog", "cluster._read_cache",
-                            "cluster._shared_variables", "cluster._connection",
-                            "cluster._worker_group",
+                    "cross_tower_ops._choose", "cross_tower_ops._cross_worker",
+                    "cross_tower_ops"]),
+    ("strategy machinery", ["_strategy", "strategies._tower_threads",
+                            "_cluster_runtime._faults", "_cluster_runtime._watchdog",
+                            "_cluster_runtime._read_cache",
+                            "_cluster_runtime._shared_variables",
+                            "_cluster_runtime._connection", "_cluster_runtime._worker_group",
+                            "_cluster_runtime",
                             "optimizers._optimizer", "optimizers._mixin",
                             "optimizers._shipped", "optimizers"]),
     ("strategies", ["strategies._default", "strategies._mirrored",
                     "strategies._parameter_server", "strategies._multi_worker",
                     "strategies"]),
-    ("applications", ["cluster._local_cluster", "cluster", "cluster._child", "demo",
+    ("integrations", ["_keras._variable_rules", "_keras._bridge", "_keras"]),
+    ("applications", ["cluster._local_cluster", "cluster", "cluster._child",
                       "pipeline._partition", "pipeline._cost", "pipeline._schedule",
                       "pipeline._gpipe", "pipeline", "values", ""]),
 ]
-ALLOWED_FUNCTION_IMPORTS = {("_context", "strategies._default")}
 
 
 def _module_name(path):
@@ -44,9 +68,31 @@ def _module_name(path):
   return ".".join(parts)
 
 
-def _imports(path):
-  """(module-level imports, function-level imports) of diststrat modules, by short name."""
-  tree = ast.parse(path.read_text())
+def _is_package(path):
+  return path.name == "__init__.py"
+
+
+def _module_name_exists(dotted):
+  relative = pathlib.Path(*dotted.split(".")[1:])
+  return (ROOT / relative).with_suffix(".py").exists() or (ROOT / relative).is_dir()
+
+
+def _absolute(node, path):
+  """The absolute module an `ImportFrom` names (relative imports resolved)."""
+  if not node.level:
+    return node.module
+  package = ["diststrat"] + list(path.relative_to(ROOT).parent.parts)
+  if node.level > 1:
+    package = package[:len(package) - (node.level - 1)]
+  return ".".join(package + ([node.module] if node.module else []))
+
+
+def _imports(path, text=None):
+  """(module-level imports, function-level imports) of diststrat modules, by short name.
+
+  `text`, if given, stands for the file's contents.
+  """
+  tree = ast.parse(path.read_text() if text is None else text)
   top, inner = set(), set()
 
   def add(target, depth):
@@ -56,11 +102,11 @@ def _imports(path):
   def visit(node, depth):
     for child in ast.iter_child_nodes(node):
       child_depth = depth + isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-      if isinstance(child, ast.ImportFrom) and child.module:
+      if isinstance(child, ast.ImportFrom):
+        module = _absolute(child, path)
         for alias in child.names:
-          candidate = f"{child.module}.{alias.name}"
-          known = _module_name_exists(candidate)
-          add(candidate if known else child.module, depth)
+          candidate = f"{module}.{alias.name}"
+          add(candidate if _module_name_exists(candidate) else module, depth)
       elif isinstance(child, ast.Import):
         for alias in child.names:
           add(alias.name, depth)
@@ -70,11 +116,6 @@ def _imports(path):
   return top, inner
 
 
-def _module_name_exists(dotted):
-  relative = pathlib.Path(*dotted.split(".")[1:])
-  return (ROOT / relative).with_suffix(".py").exists() or (ROOT / relative).is_dir()
-
-
 MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 LAYER_OF = {m: i for i, (_, modules) in enumerate(LAYERS) for m in modules}
 
@@ -82,18 +123,24 @@ LAYER_OF = {m: i for i, (_, modules) in enumerate(LAYERS) for m in modules}
 def test_every_module_has_a_layer():
   missing = sorted(set(MODULES) - set(LAYER_OF))
   assert not missing, f"add these modules to LAYERS and docs/architecture.md: {missing}"
+  gone = sorted(set(LAYER_OF) - set(MODULES))
+  assert not gone, f"LAYERS names modules that do not exist: {gone}"
+
+
+def _upward_imports(module, path, text=None):
+  top, inner = _imports(path, text)
+  upward = sorted(t for t in top if LAYER_OF.get(t, -1) > LAYER_OF[module])
+  return upward, sorted(inner)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_down(module):
   if module not in LAYER_OF:
     pytest.skip("not placed (test_every_module_has_a_layer fails)")
-  top, inner = _imports(MODULES[module])
-  upward = sorted(t for t in top if LAYER_OF.get(t, -1) > LAYER_OF[module])
+  upward, inner = _upward_imports(module, MODULES[module])
   assert not upward, (f"diststrat.{module} ({LAYERS[LAYER_OF[module]][0]}) imports from "
                       f"higher layers: {upward}")
-  unexpected = sorted(t for t in inner if (module, t) not in ALLOWED_FUNCTION_IMPORTS)
-  assert not unexpected, f"diststrat.{module} imports inside a function: {unexpected}"
+  assert not inner, f"diststrat.{module} imports inside a function: {inner}"
 
 
 def test_no_cycles_within_a_layer():
@@ -113,3 +160,141 @@ def test_no_cycles_within_a_layer():
   for module in sorted(graph):
     if module not in state:
       visit(module, [module])
+
+
+@pytest.mark.parametrize("line", ["from ..strategies import _mirrored",
+                                  "from .. import strategies",
+                                  "from ..strategies._mirrored import MirroredStrategy"])
+def test_a_relative_upward_import_is_caught(line):
+  """Relative imports are resolved: in a reduction module, each of these is upward."""
+  path = ROOT / "cross_tower_ops" / "_packing.py"
+  upward, _ = _upward_imports("cross_tower_ops._packing", path,
+                              path.read_text() + f"\n{line}\n")
+  assert upward and all(u.startswith("strategies") for u in upward), upward
+
+
+# --- the TensorFlow boundary ---------------------------------------------------------------
+
+_INTERNAL_MODULES = ("tensorflow.python", "tensorflow.core", "tensorflow.compiler",
+                     "keras.src", "tf_keras")
+# Documented names that start with an underscore: namedtuple's API, os._exit.
+_STDLIB = frozenset(["_fields", "_asdict", "_replace", "_make", "_field_defaults", "_exit"])
+
+
+def _private_names_of_tensorflow_and_keras():
+  """The private attribute names of the TensorFlow and Keras objects diststrat handles."""
+  variable = tf.Variable(1.0)
+  function = tf.function(lambda: 1).get_concrete_function()
+  objects = [variable, type(variable), tf.Variable, tf.constant(1.0), tf.Graph(), function,
+             tf.Module(), keras.Variable(1.0), keras.layers.Dense(1), keras.Sequential(),
+             keras.optimizers.SGD(), keras.metrics.Mean(), keras.random.SeedGenerator(1)]
+  names = set()
+  for obj in objects:
+    names.update(n for n in dir(obj) if n.startswith("_") and not n.startswith("__"))
+  return names
+
+
+def _names_diststrat_defines():
+  """Names defined outside the boundary: functions, classes, attributes set on self."""
+  names = set()
+  for module, path in MODULES.items():
+    if module.split(".")[0] == BOUNDARY:
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        names.add(node.name)
+      elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        names.add(node.id)
+      elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+        names.add(node.attr)
+  return names
+
+
+def _private_reaches(source, defined, foreign):
+  """(line, what) for every reach past TensorFlow's or Keras's public API in `source`."""
+  tree = ast.parse(source)
+  classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+  found = []
+
+  def private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+  def forbidden(name):
+    if name in _STDLIB:
+      return False
+    return name in _tf_internal.PROTOCOL_NAMES or name in foreign or name not in defined
+
+  def own(base):
+    return ((isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in classes))
+            or (isinstance(base, ast.Call) and isinstance(base.func, ast.Name)
+                and base.func.id == "super"))
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      found += [(node.lineno, f"import {a.name}") for a in node.names
+                if a.name.startswith(_INTERNAL_MODULES)]
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+      if node.module.startswith(_INTERNAL_MODULES):
+        found.append((node.lineno, f"from {node.module} import ..."))
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+      if node.value.startswith(_INTERNAL_MODULES):
+        found.append((node.lineno, f"the module name {node.value!r}"))
+    elif isinstance(node, ast.Attribute):
+      if node.attr == "__internal__":
+        found.append((node.lineno, ast.unparse(node)))
+      elif private(node.attr) and not own(node.value) and forbidden(node.attr):
+        found.append((node.lineno, ast.unparse(node)))
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+          and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+          and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+          and isinstance(node.args[1].value, str) and private(node.args[1].value)
+          and not own(node.args[0]) and forbidden(node.args[1].value)):
+      found.append((node.lineno, ast.unparse(node)))
+  return found
+
+
+@pytest.fixture(scope="module")
+def reach_rules():
+  return _names_diststrat_defines(), _private_names_of_tensorflow_and_keras()
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] != BOUNDARY))
+def test_only_the_boundary_reaches_past_public_apis(module, reach_rules):
+  found = _private_reaches(MODULES[module].read_text(), *reach_rules)
+  assert not found, (f"diststrat/{MODULES[module].relative_to(ROOT)} reaches past "
+                     "TensorFlow's or Keras's public API; add a named function to "
+                     f"diststrat/_tf_internal/ and call it instead: {found}")
+
+
+@pytest.mark.parametrize("line, caught", [
+    ("from tensorflow.python.ops import collective_ops", True),
+    ("import keras.src.backend", True),
+    ("x = sys.modules['keras.src.random.seed_generator']", True),
+    ("y = tf.__internal__.distribute", True),
+    ("v._distribution_strategy = s", True),          # a Keras optimizer's private state
+    ("g = tf.compat.v1.get_default_graph()._variable_creator_stack", True),
+    ("h = variable._copy_to_device('/cpu:0')", True),
+    ("n = self.primary._shared_name", True),          # a protocol, on another object
+    ("setattr(component, '_distributed_container', c)", True),
+    ("z = obj._not_defined_by_diststrat", True),
+    ("s = self._shared_name", False),                 # our own object
+    ("s = strategy._batch_split()", False),           # a diststrat hook
+    ("f = point._fields", False),                     # namedtuple's API
+    ("from diststrat import _tf_internal", False),
+])
+def test_the_reach_check_catches(line, caught, reach_rules):
+  assert bool(_private_reaches(line, *reach_rules)) is caught
+
+
+def test_every_boundary_name_has_a_test():
+  tests = {node.name for node in ast.walk(ast.parse((TESTS / "test_tf_internal.py").read_text()))
+           if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+
+  def snake(name):  # ResourceVariableFromHandle -> resource_variable_from_handle
+    return name.lower() if name.isupper() else re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+  untested = [name for name in _tf_internal.__all__
+              if not any(f"_{snake(name)}_" in f"{t}_" for t in tests)]
+  assert not untested, ("tests/test_tf_internal.py needs a test named after each of: "
+                        f"{untested}")

@@ -1,4 +1,4 @@
-"""Cluster mode of ParameterServerStrategy and LocalCluster (SPEC section 9).
+"""Cluster mode of ParameterServerStrategy and LocalCluster (docs/parameter_server.md).
 
 Real processes on loopback: PS tasks are `tf.distribute.Server` child processes, and the
 worker functions below run in worker processes (they must be module-level: they are
@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import diststrat as ds
-from diststrat.cluster import _shared_variables
+from diststrat._cluster_runtime import _shared_variables
 from diststrat.cluster import LocalCluster
 from diststrat.errors import ClusterError
 import read_cache_cases as cases

@@ -1,4 +1,4 @@
-"""The context state machine of SPEC section 2, on the default strategy and a real one."""
+"""The context state machine (docs/concepts.md, "Contexts"), on the default strategy and a real one."""
 
 import threading
 

@@ -1,4 +1,4 @@
-"""Cross-tower reduction (SPEC section 6): every algorithm against numpy, the oracle."""
+"""Cross-tower reduction (docs/cross_tower_ops.md): every algorithm against numpy, the oracle."""
 
 import pathlib
 import re
@@ -568,7 +568,7 @@ def test_collectives_run_when_one_result_is_used_and_time_out_with_advice():
       import tensorflow as tf
       cpu, = tf.config.list_physical_devices("CPU")
       tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
-      from diststrat import _tf_internal
+      from diststrat.cross_tower_ops import _collective
       from diststrat.cross_tower_ops import AllReduceCrossTowerOps
       from diststrat.values import PerDevice
 
@@ -581,10 +581,10 @@ def test_collectives_run_when_one_result_is_used_and_time_out_with_advice():
         return ops.batch_reduce("sum", [(PerDevice({"/cpu:0": x, "/cpu:1": y}), None)])[0].values[0]
       print("FIRST", float(first_only(tf.constant(1.0))))
 
-      real = _tf_internal.collective_all_reduce
+      real = _collective._reduce_op
       def one_member_missing(t, group_size, *args, **kwargs):
         return real(t, group_size + 1, *args, **kwargs)
-      _tf_internal.collective_all_reduce = one_member_missing
+      _collective._reduce_op = one_member_missing
       ops = AllReduceCrossTowerOps("collective", timeout=0.5)
       try:
         ops.reduce("sum", PerDevice({"/cpu:1": tf.constant(1.0), "/cpu:2": tf.constant(2.0)}))
@@ -655,3 +655,36 @@ def test_docs_custom_algorithm(mode):
     assert result.devices == tuple(CPUS)
     for component in result.values:
       np.testing.assert_allclose(component.numpy(), np.mean(a, axis=0), rtol=0.05, atol=0.05)
+
+
+def test_collectives_are_v2_in_a_while_loop_and_v1_elsewhere():
+  """V1 collectives fail intermittently across processes when rerun in a tf.while_loop
+  body; V2 hold twice the threads: _collective picks by where the op is built."""
+  @tf.function
+  def inner(i):
+    values = [tf.stack([tf.cast(i, tf.float32), float(k + 1)]) for k in range(2)]
+    outputs = _collective.all_reduce(values, CPUS[:2], mean=False, timeout=30)
+    return outputs[0] + outputs[1]
+
+  @tf.function
+  def loop():
+    return tf.while_loop(lambda i, _: i < 3, lambda i, t: (i + 1, t + inner(i)),
+                         (0, tf.zeros([2])))[1]
+
+  @tf.function
+  def once():
+    # Every member's result returned: a member whose result is unused would be pruned.
+    return _collective.all_reduce([tf.ones([2]), tf.ones([2])], CPUS[:2], mean=True,
+                                  timeout=30)
+
+  # Each run: [2i, 3] on both devices, added: [4i, 6]; over i = 0, 1, 2: [12, 18].
+  np.testing.assert_allclose(loop().numpy(), [12.0, 18.0])
+  for output in once():
+    np.testing.assert_allclose(output.numpy(), [1.0, 1.0])
+
+  def op_types(function):
+    return {op.type for f in function._list_all_concrete_functions()  # pylint: disable=protected-access
+            for op in f.graph.get_operations()}
+
+  assert "CollectiveReduceV2" in op_types(inner) and "CollectiveReduce" not in op_types(inner)
+  assert "CollectiveReduce" in op_types(once) and "CollectiveReduceV2" not in op_types(once)

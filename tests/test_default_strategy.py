@@ -1,4 +1,4 @@
-"""The default strategy (SPEC section 3, last paragraph)."""
+"""The default strategy (docs/concepts.md, "The default strategy")."""
 
 import numpy as np
 import pytest

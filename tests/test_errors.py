@@ -1,4 +1,4 @@
-"""Errors keep their type, message and tower in eager mode and inside tf.function (SPEC 10).
+"""Errors keep their type, message and tower in eager mode and inside tf.function (docs/concepts.md, "Errors").
 
 Each case runs the same tower code twice, eagerly and traced by `tf.function`, and the two
 errors must be of the same type with the same text (message and notes).

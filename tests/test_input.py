@@ -1,4 +1,4 @@
-"""distribute_dataset (SPEC section 8): splitting rules, structures, placement, modes."""
+"""distribute_dataset (docs/concepts.md): splitting rules, structures, placement, modes."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Keras 3 in diststrat towers (SPEC 11), in custom loops; model.fit is in test_keras_fit.py.
+"""Keras 3 in diststrat towers (docs/keras.md), in custom loops; model.fit is in test_keras_fit.py.
 
 Every case runs under the default strategy, MirroredStrategy and ParameterServerStrategy,
 eagerly and inside `tf.function`, and is compared with one device on the same global

@@ -1,4 +1,4 @@
-"""Keras `model.fit`, `evaluate` and `predict` under diststrat (SPEC 11).
+"""Keras `model.fit`, `evaluate` and `predict` under diststrat (docs/keras.md).
 
 A model built and compiled in a strategy's scope trains on every tower: a layer records,
 at run time, which tower ran it on how many examples. Weights, history (with validation

@@ -1,4 +1,4 @@
-"""MirroredStrategy (SPEC sections 2-6, 10) on 1, 2 and 4 logical CPUs, eager and tf.function.
+"""MirroredStrategy (docs/mirrored.md, docs/concepts.md) on 1, 2 and 4 logical CPUs, eager and tf.function.
 
 Every result is compared against numpy or a single-device computation.
 """
@@ -347,7 +347,7 @@ def test_tf_module_and_keras_layer_variables():
     np.testing.assert_allclose(o, expected, rtol=1e-6)
 
 
-# --- errors and faults (SPEC 10) ---
+# --- errors and faults (docs/mirrored.md, "Errors") ---
 
 
 def test_exception_in_one_tower_stops_the_others(no_thread_leak):

@@ -1,4 +1,4 @@
-"""MultiWorkerMirroredStrategy on real processes (SPEC section 12).
+"""MultiWorkerMirroredStrategy on real processes (docs/multi_worker.md).
 
 Worker functions run in LocalCluster worker processes (module-level: they are pickled);
 the reference computations run in this process on one device, with no strategy. This

@@ -1,4 +1,4 @@
-"""Optimizers (SPEC section 7): textbook rules, N towers == one device, state, checkpoints."""
+"""Optimizers (docs/optimizers.md): textbook rules, N towers == one device, state, checkpoints."""
 
 import numpy as np
 import pytest

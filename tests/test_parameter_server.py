@@ -1,4 +1,4 @@
-"""ParameterServerStrategy in one process: placement, reductions, optimizers (SPEC 9)."""
+"""ParameterServerStrategy in one process: placement, reductions, optimizers (docs/parameter_server.md)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""GPipe pipeline parallelism (SPEC section 13): the oracle is the layers run in sequence.
+"""GPipe pipeline parallelism (docs/pipeline.md): the oracle is the layers run in sequence.
 
 Every result is compared with the same layers applied one after the other on one device
 (or with numpy / a brute-force search): outputs, gradients, training, data x pipeline.

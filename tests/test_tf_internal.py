@@ -1,4 +1,4 @@
-"""One test per reach past TensorFlow's and Keras's public API (diststrat/_tf_internal.py).
+"""One test per reach past TensorFlow's and Keras's public API (diststrat/_tf_internal/).
 
 After a TensorFlow or Keras upgrade, the test named after the wrapper that broke fails
 here, with a message naming it, instead of deep inside a user's training step.
@@ -13,11 +13,14 @@ import tensorflow as tf
 
 import diststrat as ds
 from diststrat import _tf_internal
+from diststrat._tf_internal import _distribute_stack
+from diststrat._tf_internal import _functions
+from diststrat._tf_internal import _variables
 from conftest import CPUS
 
 
 def _broke(wrapper, detail):
-  return f"diststrat/_tf_internal.py: {wrapper} broke with TensorFlow {tf.__version__}: {detail}"
+  return f"diststrat/_tf_internal: {wrapper} broke with TensorFlow {tf.__version__}: {detail}"
 
 
 # --- tower thread state -------------------------------------------------------------------
@@ -81,62 +84,77 @@ def test_current_control_dependencies():
 # --- collectives and fast calls -------------------------------------------------------------
 
 
-def test_collective_all_reduce():
-  @tf.function
-  def total():
-    outputs = []
-    for i, device in enumerate(CPUS[:2]):
+def _members(op, *args, ordering=False):
+  """`op` built once per device of CPUS[:2] in one tf.function; its outputs."""
+  tokens = []
+  if ordering:
+    for device in CPUS[:2]:
       with tf.device(device):
-        outputs.append(_tf_internal.collective_all_reduce(
-            tf.constant([float(i + 1), 10.0]), 2, 900_001, 900_000_001, mean=False,
-            timeout=30))
+        tokens.append(tf.Variable(0.0))
+
+  @tf.function
+  def run():
+    outputs = []
+    for k, device in enumerate(CPUS[:2]):
+      with tf.device(device):
+        extra = {"ordering_token": [tokens[k].handle]} if ordering else {}
+        outputs.append(op(tf.constant([float(k + 1), 10.0]), 2, *args, timeout=30, **extra))
     return outputs
 
-  for output in total():
-    np.testing.assert_allclose(output.numpy(), [3.0, 20.0],
-                               err_msg=_broke("collective_all_reduce", "wrong sum"))
+  return [o.numpy() for o in run()]
 
 
-def test_in_while_loop_and_collectives_in_a_loop():
+def test_all_reduce_v1():
+  for output in _members(_tf_internal.all_reduce_v1, 900_001, 900_000_001, "Add", "Id"):
+    np.testing.assert_allclose(output, [3.0, 20.0], err_msg=_broke("all_reduce_v1", "sum"))
+
+
+def test_all_reduce_v2():
+  for output in _members(_tf_internal.all_reduce_v2, 900_002, 900_000_002, "Add", "Div",
+                         ordering=True):
+    np.testing.assert_allclose(output, [1.5, 10.0], err_msg=_broke("all_reduce_v2", "mean"))
+
+
+def test_all_gather_v1():
+  for output in _members(_tf_internal.all_gather_v1, 900_003, 900_000_003):
+    np.testing.assert_allclose(output, [1.0, 10.0, 2.0, 10.0],
+                               err_msg=_broke("all_gather_v1", "gather"))
+
+
+def test_all_gather_v2():
+  for output in _members(_tf_internal.all_gather_v2, 900_004, 900_000_004, ordering=True):
+    np.testing.assert_allclose(output, [1.0, 10.0, 2.0, 10.0],
+                               err_msg=_broke("all_gather_v2", "gather"))
+
+
+def test_in_while_loop():
   seen = {}
 
   @tf.function
   def inner(i):
     seen["nested"] = _tf_internal.in_while_loop()
-    outputs = []
-    for k, device in enumerate(CPUS[:2]):
-      with tf.device(device):
-        outputs.append(_tf_internal.collective_all_reduce(
-            tf.stack([tf.cast(i, tf.float32), float(k + 1)]), 2, 900_002, 900_000_002,
-            mean=False, timeout=30))
-    return outputs[0] + outputs[1]
+    return i
 
   @tf.function
   def loop():
     seen["function"] = _tf_internal.in_while_loop()
 
-    def body(i, total):
+    def body(i):
       seen["body"] = _tf_internal.in_while_loop()
-      return i + 1, total + inner(i)
+      return (inner(i) + 1,)
 
-    return tf.while_loop(lambda i, _: i < 3, body, (0, tf.zeros([2])))[1]
+    return tf.while_loop(lambda i: i < 3, body, (0,))
 
-  total = loop()
+  loop()
   assert seen == {"function": False, "body": True, "nested": True}, _broke(
       "in_while_loop", f"saw {seen}")
-  # Each run: [2i, 3] on both devices, added: [4i, 6]; over i = 0, 1, 2: [12, 18].
-  np.testing.assert_allclose(total.numpy(), [12.0, 18.0],
-                             err_msg=_broke("collective_all_reduce", "wrong sum in a loop"))
-  types = {op.type for f in inner._list_all_concrete_functions()  # pylint: disable=protected-access
-           for op in f.graph.get_operations()}
-  assert "CollectiveReduceV2" in types and "CollectiveReduce" not in types, _broke(
-      "collective_all_reduce", f"op types in a loop: {sorted(types)}")
+  assert _tf_internal.in_while_loop() is False
 
 
 def test_call_flat():
   function = tf.function(lambda a, b: [a + b, a * b]).get_concrete_function(
       tf.constant(2.0), tf.constant(3.0))
-  assert _tf_internal._has_fast_call(type(function)), _broke(  # pylint: disable=protected-access
+  assert _functions._has_fast_call(type(function)), _broke(  # pylint: disable=protected-access
       "call_flat", "ConcreteFunction._call_flat has a new signature: the slow path runs")
   outputs = _tf_internal.call_flat(function, [tf.constant(2.0), tf.constant(5.0)])
   assert [float(o) for o in outputs] == [7.0, 10.0], _broke("call_flat", f"gave {outputs}")
@@ -189,7 +207,7 @@ def test_wrap_resource_methods():
 
 
 def test_wrap_resource_methods_fails_on_a_missing_method(monkeypatch):
-  monkeypatch.setattr(_tf_internal, "RESOURCE_METHODS",
+  monkeypatch.setattr(_variables, "RESOURCE_METHODS",
                       _tf_internal.RESOURCE_METHODS + ("no_such_method",))
 
   class Target(_tf_internal.ResourceVariableFromHandle):
@@ -209,49 +227,6 @@ def test_copy_to_device():
   assert copy.dtype == tf.resource, _broke("copy_to_device", f"dtype {copy.dtype}")
   value = tf.raw_ops.ReadVariableOp(resource=copy, dtype=tf.float32)
   assert float(value) == 4.0, _broke("copy_to_device", "the copied handle reads another value")
-
-
-def test_copy_to_device_reports_a_lost_connection_as_unavailable():
-  class LostTensor:
-    def _copy_to_device(self, device):
-      raise RuntimeError("Failed copying input tensor: Socket closed")
-
-  with pytest.raises(tf.errors.UnavailableError, match="Socket closed"):
-    _tf_internal.copy_to_device(LostTensor(), CPUS[0])
-
-
-# --- TensorFlow's error text ---------------------------------------------------------------
-# The cluster tests (tests/test_cluster.py) feed these real errors from killed and restarted
-# tasks; here, the formats those errors had in TensorFlow 2.21.
-
-
-def test_error_summary():
-  error = tf.errors.UnavailableError(
-      None, None, "Graph execution error:\n\nDetected at node x\n(0) UNAVAILABLE: Socket "
-      "closed\nAdditional GRPC error information from remote target /job:ps/replica:0/task:0")
-  assert _tf_internal.error_summary(error) == "UNAVAILABLE: Socket closed", _broke(
-      "error_summary", repr(_tf_internal.error_summary(error)))
-  assert len(_tf_internal.error_summary(RuntimeError("x" * 500))) == 200
-
-
-def test_tasks_named_in_error():
-  tasks = ["/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"]
-  error = tf.errors.UnavailableError(
-      None, None, "Failed to connect to /job:ps/replica:0/task:1 (Connection refused)")
-  assert _tf_internal.tasks_named_in_error(error, tasks) == tasks[1:], _broke(
-      "tasks_named_in_error", "the task in the message was not found")
-
-
-@pytest.mark.parametrize("error_type, text, restarted", [
-    (tf.errors.AbortedError, "Unable to find a context_id matching the specified one", True),
-    (tf.errors.InvalidArgumentError, "Unable to find the relevant tensor remote_handle", True),
-    (tf.errors.NotFoundError, "The remote task was probably restarted", True),
-    (tf.errors.InvalidArgumentError, "Incompatible shapes: [2] vs. [3]", False),
-    (tf.errors.UnavailableError, "context_id", False),
-])
-def test_error_means_task_restarted(error_type, text, restarted):
-  assert _tf_internal.error_means_task_restarted(error_type(None, None, text)) is restarted, \
-      _broke("error_means_task_restarted", text)
 
 
 # --- Keras -------------------------------------------------------------------------------
@@ -424,18 +399,6 @@ def test_install_error_translator():
     traced(tf.constant(1.0))
 
 
-@pytest.mark.parametrize("error_type, text, lost", [
-    (tf.errors.InternalError, "This should never happen. Additional GRPC error information "
-     "from remote target /job:ps/replica:0/task:1 while calling /tensorflow.WorkerService/"
-     "RecvTensor: {grpc_status:14, grpc_message:\"failed to connect to all addresses\"}", True),
-    (tf.errors.UnavailableError, "Socket closed", True),
-    (tf.errors.InternalError, "Blas GEMM launch failed", False),
-])
-def test_error_means_connection_lost(error_type, text, lost):
-  assert _tf_internal.error_means_connection_lost(error_type(None, None, text)) is lost, \
-      _broke("error_means_connection_lost", text)
-
-
 # --- tapes ---------------------------------------------------------------------------------
 
 
@@ -583,9 +546,269 @@ def test_tf_distribution_mode_fails_loudly_without_the_stack(monkeypatch):
     def get_default_graph():
       return object()
 
-  monkeypatch.setattr(_tf_internal, "_ops", _Graphless)
+  monkeypatch.setattr(_distribute_stack, "_ops", _Graphless)
   with pytest.raises(_tf_internal.TensorFlowInternalsError,
                      match=r"Graph._distribution_strategy_stack.*Keras would train on one "
                            r"device under diststrat"):
     with _tf_internal.tf_distribution_mode(_Stand()):
       pass
+
+
+# --- the rest of the boundary, one test each ----------------------------------------------
+
+
+def test_variable_creators():
+  def creator(next_creator, **kwargs):
+    return next_creator(**kwargs)
+
+  before = _tf_internal.variable_creators()
+  with tf.variable_creator_scope(creator):
+    inside = _tf_internal.variable_creators()
+  assert inside[-1] is creator and inside[:-1] == before, _broke(
+      "variable_creators", f"innermost is not the creator just entered: {inside}")
+
+
+def test_set_variable_creator_stack():
+  names = []
+
+  def creator(next_creator, **kwargs):
+    names.append(kwargs.get("name"))
+    return next_creator(**kwargs)
+
+  saved = _tf_internal.variable_creator_stack()
+  with tf.variable_creator_scope(creator):
+    stack = _tf_internal.variable_creator_stack()
+  _tf_internal.set_variable_creator_stack(stack)
+  try:
+    tf.Variable(1.0, name="through_the_installed_stack")
+  finally:
+    _tf_internal.set_variable_creator_stack(saved)
+  tf.Variable(1.0, name="after_restoring")
+  assert names == ["through_the_installed_stack"], _broke("set_variable_creator_stack",
+                                                          f"the creator saw {names}")
+
+
+_ONE_TASK_COLLECTIVE = """
+import socket, sys
+import tensorflow as tf
+from diststrat import _tf_internal
+with socket.socket() as s:
+  s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{port}"]})
+_tf_internal.enable_cross_process_collectives(spec, "worker", 0,
+                                              leader="/job:worker/replica:0/task:0")
+@tf.function
+def total():
+  with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+    return _tf_internal.all_reduce_v1(tf.constant([2.0]), 1, 7, 7, "Add", "Id", timeout=30)
+print("SUM", float(total()[0]))
+_tf_internal.check_peer_health("/job:worker/replica:0/task:0", timeout=10)
+print("HEALTHY")
+"""
+
+_AFTER_AN_OP = """
+import tensorflow as tf
+from diststrat import _tf_internal
+tf.constant(1.0) + 1.0  # TensorFlow is initialized now.
+try:
+  _tf_internal.enable_cross_process_collectives(
+      tf.train.ClusterSpec({"worker": ["127.0.0.1:1"]}), "worker", 0,
+      leader="/job:worker/replica:0/task:0")
+except RuntimeError as e:
+  print("REFUSED", e)
+"""
+
+
+def _run_python(code, timeout=120):
+  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-import
+  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=timeout).stdout
+
+
+def test_enable_cross_process_collectives_and_check_peer_health():
+  out = _run_python(_ONE_TASK_COLLECTIVE)
+  assert "SUM 2.0" in out, _broke("enable_cross_process_collectives", out)
+  assert "HEALTHY" in out, _broke("check_peer_health", out)
+  out = _run_python(_AFTER_AN_OP)
+  assert "REFUSED" in out, _broke("enable_cross_process_collectives",
+                                  f"a set-up after TensorFlow initialized did not raise: {out}")
+
+
+
+def test_probe_tf_server():
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:  # A port nothing listens on (closed again at once).
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  [outcome] = _tf_internal.probe_tf_server([f"127.0.0.1:{port}"], timeout=5)
+  assert outcome is not None and outcome.startswith("cannot be reached"), _broke(
+      "probe_tf_server", f"a closed port gave {outcome!r}")
+  server = _run_python_server()
+  try:
+    assert _tf_internal.probe_tf_server([server.address], timeout=30) == [None], _broke(
+        "probe_tf_server", "a live TensorFlow server did not answer GetStatus")
+  finally:
+    server.stop()
+
+
+class _ServerProcess:
+  def __init__(self):
+    import socket, subprocess, sys, time  # pylint: disable=g-import-not-at-top,multiple-import
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+    self.address = f"127.0.0.1:{port}"
+    code = ("import tensorflow as tf; tf.distribute.Server(tf.train.ClusterSpec("
+            f"{{'ps': ['{self.address}']}}), job_name='ps', task_index=0).join()")
+    self.process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+      with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", port)) == 0:
+          return
+      time.sleep(0.2)
+    self.stop()
+    raise RuntimeError("the test's TensorFlow server did not start within 60 s")
+
+  def stop(self):
+    self.process.kill()
+    self.process.wait(30)
+
+
+def _run_python_server():
+  return _ServerProcess()
+
+
+def test_uninstall_error_translator():
+  _tf_internal.install_error_translator(lambda error: KeyError("translated"))
+  _tf_internal.uninstall_error_translator()
+  _tf_internal.uninstall_error_translator()  # Twice: nothing left to undo.
+  with pytest.raises(tf.errors.InvalidArgumentError):
+    tf.reshape(tf.zeros([6]), [4])
+
+
+def test_resource_methods_and_read_methods():
+  variable = tf.Variable([1.0, 2.0])
+  missing = [m for m in _tf_internal.RESOURCE_METHODS if not callable(getattr(variable, m, None))]
+  assert not missing, _broke("RESOURCE_METHODS", f"tf.Variable lacks {missing}")
+  assert set(_tf_internal.READ_METHODS) <= set(_tf_internal.RESOURCE_METHODS)
+  for name in _tf_internal.READ_METHODS:
+    np.testing.assert_allclose(getattr(variable, name)().numpy(), [1.0, 2.0],
+                               err_msg=_broke("READ_METHODS", name))
+
+
+
+def test_base_resource_method():
+  variable = tf.Variable(3.0)
+  read = _tf_internal.base_resource_method("read_value")
+  assert float(read(variable)) == 3.0, _broke("base_resource_method", "read_value")
+
+
+def test_shared_name_unique_id_and_in_graph_mode():
+  variable = tf.Variable(1.0, name="named_here")
+  assert "named_here" in _tf_internal.shared_name(variable), _broke(
+      "shared_name", repr(_tf_internal.shared_name(variable)))
+  other = tf.Variable(1.0)
+  assert _tf_internal.unique_id(variable) != _tf_internal.unique_id(other), _broke(
+      "unique_id", "two variables share an id")
+  assert _tf_internal.in_graph_mode(variable) is False, _broke("in_graph_mode", "eager")
+
+
+
+
+def test_dense_var_to_tensor():
+  variable = tf.Variable([1, 2], dtype=tf.int32)
+  tensor = _tf_internal.dense_var_to_tensor(variable, dtype=tf.int32)
+  assert isinstance(tensor, tf.Tensor) and tensor.numpy().tolist() == [1, 2], _broke(
+      "dense_var_to_tensor", repr(tensor))
+
+
+class _ByIdentity(dict):
+  """A dict keyed by object identity, as TensorFlow's object maps are."""
+
+  def __setitem__(self, key, value):
+    super().__setitem__(id(key), value)
+
+  def __getitem__(self, key):
+    return super().__getitem__(id(key))
+
+  def __contains__(self, key):
+    return super().__contains__(id(key))
+
+
+def test_copy_trackable_to_cpu():
+  variable = tf.Variable(2.0)
+  object_map = _ByIdentity()
+  _tf_internal.copy_trackable_to_cpu(variable, object_map)
+  assert float(object_map[variable]) == 2.0, _broke("copy_trackable_to_cpu", "the host copy")
+
+
+def _saved_model_calls(tmp_path, monkeypatch):
+  calls = []
+  for name in ("export_to_saved_model_graph", "write_object_proto"):
+    original = getattr(_tf_internal, name)
+
+    def recording(*args, _original=original, _name=name, **kwargs):
+      calls.append(_name)
+      return _original(*args, **kwargs)
+
+    monkeypatch.setattr(_tf_internal, name, recording)
+  strategy, v = _mirrored_variable(7.0)
+  module = tf.Module()
+  module.v = v
+  module.read = tf.function(lambda: module.v + 0.0, input_signature=[])
+  tf.saved_model.save(module, str(tmp_path / "saved"))
+  loaded = tf.saved_model.load(str(tmp_path / "saved"))
+  del strategy
+  return calls, float(loaded.read())
+
+
+def test_export_to_saved_model_graph(tmp_path, monkeypatch):
+  calls, value = _saved_model_calls(tmp_path, monkeypatch)
+  assert "export_to_saved_model_graph" in calls and value == 7.0, _broke(
+      "export_to_saved_model_graph", f"calls {calls}, loaded {value}")
+
+
+def test_write_object_proto(tmp_path, monkeypatch):
+  calls, value = _saved_model_calls(tmp_path, monkeypatch)
+  assert "write_object_proto" in calls and value == 7.0, _broke(
+      "write_object_proto", f"calls {calls}, loaded {value}")
+
+
+def test_set_distributed_container_and_distributed_container():
+  component = tf.Variable(1.0)
+  owner = tf.Module()
+  assert _tf_internal.distributed_container(component) is None
+  import weakref  # pylint: disable=g-import-not-at-top
+  _tf_internal.set_distributed_container(component, weakref.ref(owner))
+  assert _tf_internal.distributed_container(component) is owner, _broke(
+      "set_distributed_container/distributed_container", "the owner was not found")
+
+
+
+def test_should_record():
+  x = tf.constant(1.0)
+  assert not _tf_internal.should_record([x])
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    assert _tf_internal.should_record([x]), _broke("should_record", "a watched tensor")
+
+
+def test_tensor_flow_internals_error():
+  error = _tf_internal.TensorFlowInternalsError("x")
+  assert isinstance(error, ImportError)  # `import diststrat` fails with it, as it should.
+
+
+def test_protocols_and_protocol_names():
+  from diststrat._keras import _bridge  # pylint: disable=g-import-not-at-top
+  holders = [ds.values.MirroredVariable, ds.optimizers.Optimizer, _bridge.ExtendedAdapter]
+  # `_distributed_container` is set on each component (set_distributed_container).
+  undefined = [name for name in _tf_internal.PROTOCOL_NAMES - {"_distributed_container"}
+               if not any(name in vars(c) or any(name in vars(b) for b in c.__mro__
+                                                  if b.__module__.startswith("diststrat"))
+                          for c in holders)]
+  assert not undefined, f"PROTOCOLS lists names no diststrat class defines: {undefined}"
+  assert _tf_internal.PROTOCOL_NAMES == {n for names in _tf_internal.PROTOCOLS.values()
+                                         for n in names}
+

@@ -1,4 +1,4 @@
-"""Wrapped values, regroup and select_device (SPEC section 4)."""
+"""Wrapped values, regroup and select_device (docs/concepts.md, "Wrapped values")."""
 
 import collections
 

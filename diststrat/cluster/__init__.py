@@ -1,16 +1,14 @@
-"""Clusters of processes: `LocalCluster`, and the plumbing of cluster mode.
+"""Starting clusters of processes: `LocalCluster`.
 
 `LocalCluster(num_ps, num_workers)` starts a cluster's server processes on free loopback
 ports and runs functions on its worker tasks, each with a strategy connected to the
-cluster. See docs/parameter_server.md.
+cluster. See docs/parameter_server.md and docs/multi_worker.md. The runtime the cluster
+strategies use inside each process is `diststrat/_cluster_runtime/`.
 
 One file per concept:
 
 - `_local_cluster.py`: `LocalCluster`, the launcher (child processes, ports, faults).
 - `_child.py`: what a child process runs (a server, or one worker's function).
-- `_connection.py`: a worker's link to its cluster (spec checks, connecting, devices).
-- `_watchdog.py`: bounded cluster calls; TensorFlow faults become `ClusterError`.
-- `_shared_variables.py`: variables that live on a PS task, shared by name.
 
 Example::
 

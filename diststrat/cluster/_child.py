@@ -64,10 +64,10 @@ def _warm_up(job):
   """Makes this process the first client of its own server, and runs one op there.
 
   TensorFlow 2.21's eager service can crash (SIGSEGV, in GetOrCreateKernelAndDevice) when
-  the first contexts on a fresh server are created by several clients at once: measured,
-  15 crashes in 62 starts of a PS with 3 workers connecting together, 0 in 100 once one
-  context existed on the server (docs/parameter_server.md). So the PS creates the first
-  one itself, before it says it is ready; workers then never create the first.
+  the first contexts on a fresh server are created by several clients at once, and not
+  once one context exists on it (docs/parameter_server.md, "Start-up", with the soak
+  test's figures). So the PS creates the first one itself, before it says it is ready;
+  workers then never create the first.
   """
   address = job["cluster_spec"]["ps"][job["task_id"]]
   host = address.rsplit(":", 1)[0]

@@ -166,7 +166,7 @@ class _WorkerRun:
   def wait(self, timeout):
     """Returns the results in task order, or raises the first worker's error."""
     deadline = time.monotonic() + timeout
-    lock = self._cluster._lock  # pylint: disable=protected-access
+    lock = self._cluster._processes_lock  # pylint: disable=protected-access
     while True:
       with lock:
         pending = [i for i, p in enumerate(self._payloads) if p is None]
@@ -275,7 +275,7 @@ class LocalCluster:
     self._start_timeout = float(start_timeout)
     self._result_timeout = float(result_timeout)
     self._host = host
-    self._lock = threading.RLock()
+    self._processes_lock = threading.RLock()
     self._spec = None
     self._ps = []
     self._run = None
@@ -300,7 +300,7 @@ class LocalCluster:
 
   def start(self):
     """Starts the PS servers and waits until each listens (at most `start_timeout`)."""
-    with self._lock:
+    with self._processes_lock:
       if self._state != "new":
         raise errors.ClusterError(f"{self!r} was started already; a LocalCluster starts once.")
       self._state = "running"
@@ -327,7 +327,7 @@ class LocalCluster:
 
   def stop(self):
     """Stops every process of the cluster (idempotent). Bounded: ~10 s per process."""
-    with self._lock:
+    with self._processes_lock:
       if self._state == "stopped":
         return
       self._state = "stopped"
@@ -370,12 +370,12 @@ class LocalCluster:
     `run_on_workers` returns the new process's result for it.
     """
     if task_type == "ps":
-      with self._lock:
+      with self._processes_lock:
         old = self._child(task_type, task_id)
         old.stop()
         self._ps[task_id] = None
       child = self._start_ps(task_id)
-      with self._lock:
+      with self._processes_lock:
         if self._state != "running":
           child.stop()
           raise errors.ClusterError(f"{self!r} was stopped while {task_name('ps', task_id)} "
@@ -383,7 +383,7 @@ class LocalCluster:
         self._ps[task_id] = child
       self._wait_ready(child, task_id, time.monotonic() + self._start_timeout)
       return
-    with self._lock:
+    with self._processes_lock:
       self._child(task_type, task_id)  # Checks the task.
       self._run.restart(task_id)
 
@@ -433,7 +433,7 @@ class LocalCluster:
     job = {"kind": "worker", "fn": fn_bytes, "kwargs": kwargs_bytes, "main_path": main_path,
            "strategy": strategy, "strategy_kwargs": self._strategy_kwargs,
            "task_type": "worker", "cpus": self._cpus_per_worker}
-    with self._lock:
+    with self._processes_lock:
       self._check_running()
       if self._run is not None:
         raise errors.ClusterError(f"run_on_workers() is already running on {self!r}; wait for "
@@ -451,7 +451,7 @@ class LocalCluster:
       self._note_dead_ps(e)
       raise
     finally:
-      with self._lock:
+      with self._processes_lock:
         if self._run is run:
           self._run = None
       run.stop()
@@ -463,7 +463,7 @@ class LocalCluster:
 
   def _note_dead_ps(self, error):
     """Adds to `error` how each PS task that died ended (its stderr is above)."""
-    with self._lock:
+    with self._processes_lock:
       children = list(enumerate(self._ps))
     for task_id, child in children:
       if child is not None and child.exited():
@@ -479,7 +479,7 @@ class LocalCluster:
                          "cluster:` (or call start()).")
 
   def _child(self, task_type, task_id):
-    with self._lock:
+    with self._processes_lock:
       self._check_running()
       if task_type not in _JOBS:
         raise ValueError(f"task_type must be 'ps' or 'worker'. Received: "

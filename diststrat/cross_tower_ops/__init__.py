@@ -1,4 +1,4 @@
-"""Cross-tower reduction: combine per-tower values across devices (SPEC section 6).
+"""Cross-tower reduction: combine per-tower values across devices.
 
 `CrossTowerOps` is the base class; `ReductionToOneDevice` and `AllReduceCrossTowerOps`
 ship, and `choose_cross_tower_ops(devices)` picks one for a set of devices. See
@@ -6,7 +6,7 @@ docs/cross_tower_ops.md.
 """
 
 from diststrat.cross_tower_ops._all_reduce import AllReduceCrossTowerOps as AllReduceCrossTowerOps
-from diststrat.cross_tower_ops._all_reduce import choose_cross_tower_ops as choose_cross_tower_ops
+from diststrat.cross_tower_ops._choose import choose_cross_tower_ops as choose_cross_tower_ops
 from diststrat.cross_tower_ops._base import CrossTowerOps as CrossTowerOps
 from diststrat.cross_tower_ops._cross_worker import CrossWorkerAllReduce as CrossWorkerAllReduce
 from diststrat.cross_tower_ops._one_device import ReductionToOneDevice as ReductionToOneDevice

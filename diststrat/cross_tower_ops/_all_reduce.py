@@ -224,26 +224,3 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
             "After such a failure TensorFlow aborts every later collective in this process: "
             "restart the process. To avoid collectives, use "
             "AllReduceCrossTowerOps(algorithm='naive') or ReductionToOneDevice().")
-
-
-def choose_cross_tower_ops(devices):
-  """The all-reduce that suits `devices`: NCCL for several GPUs, collective ops otherwise.
-
-  Args:
-    devices: a device string or a list of them.
-
-  Returns:
-    An `AllReduceCrossTowerOps`.
-
-  Example:
-    >>> from diststrat.cross_tower_ops import choose_cross_tower_ops
-    >>> choose_cross_tower_ops(["/gpu:0", "/gpu:1"]).algorithm
-    'nccl'
-    >>> choose_cross_tower_ops(["/cpu:0", "/cpu:1"]).algorithm
-    'collective'
-  """
-  devices = _devices.canonicalize_all(devices)
-  gpus = [d for d in devices if _devices.device_type(d) == "GPU"]
-  if len(devices) > 1 and len(gpus) == len(devices):
-    return AllReduceCrossTowerOps("nccl")
-  return AllReduceCrossTowerOps("collective")

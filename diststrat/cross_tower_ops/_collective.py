@@ -1,8 +1,20 @@
-"""TensorFlow collective all-reduce, and the keys that name each collective.
+"""TensorFlow collective ops: which version runs where, and the keys that name each one.
 
-TensorFlow has no public API for collective ops outside `tf.distribute`; the ops come from
-`_tf_internal` (the V2 ops with an ordering token per device: see there why), and every
-algorithm that uses them calls the functions below.
+TensorFlow has no public API for collective ops outside `tf.distribute`; the ops
+themselves come from `_tf_internal`, and every algorithm that uses them calls the
+functions below.
+
+Which op version: the V1 collective ops keep the parameters they resolved inside the
+kernel, and run again in a `tf.while_loop` body before an earlier run finished
+everywhere (Keras with `steps_per_execution` > 1) they fail intermittently across
+processes with "CollectiveRegistry::Lookup did not find collective implementation".
+The V2 ops resolve them per run and are safe there, but each run with a timeout holds
+two threads until the timeout expires, finished or not (one for V1). So: V2 in a
+`tf.while_loop` body, V1 elsewhere. The V2 ops take an ordering token: a resource per
+device, so that TensorFlow's automatic control dependencies chain the collectives of
+one device one after another (as every member in every process builds them in the same
+order) and leave the members on other devices free (chained together they would wait
+for each other). See docs/design/tensorflow_facts.md.
 """
 
 import threading
@@ -46,6 +58,39 @@ class _Keys:
 
 _KEYS = _Keys()
 
+_ORDERING_TOKENS = {}  # device -> a resource handle on it (see `_ordering_token`)
+_ORDERING_TOKENS_LOCK = threading.Lock()
+
+
+def _ordering_token():
+  """The ordering token of the current device scope, for the V2 ops: `[handle]`.
+
+  One resource per device, made once, eagerly, outside any function: a raw variable
+  handle (no `tf.Variable`, so no strategy's variable creator sees it).
+  """
+  device = _tf_internal.current_device()
+  with _ORDERING_TOKENS_LOCK:
+    token = _ORDERING_TOKENS.get(device)
+    if token is None:
+      with tf.init_scope(), tf.device(device):
+        token = tf.raw_ops.VarHandleOp(
+            dtype=tf.float32, shape=[],
+            shared_name=f"diststrat_collective_ordering_token_{len(_ORDERING_TOKENS)}")
+        tf.raw_ops.AssignVariableOp(resource=token, value=tf.zeros([]))
+      _ORDERING_TOKENS[device] = token
+  return [token]
+
+
+def _reduce_op(value, group_size, group_key, instance_key, merge_op, final_op, timeout,
+               communication_hint="auto"):
+  """One member of a collective reduction, of the version that suits where it is built."""
+  if _tf_internal.in_while_loop():
+    return _tf_internal.all_reduce_v2(
+        value, group_size, group_key, instance_key, merge_op, final_op, timeout,
+        ordering_token=_ordering_token(), communication_hint=communication_hint)
+  return _tf_internal.all_reduce_v1(value, group_size, group_key, instance_key, merge_op,
+                                    final_op, timeout, communication_hint=communication_hint)
+
 
 def all_reduce(values, devices, mean, timeout, communication_hint="auto", group=None):
   """Sums one tensor per device with one collective; every device gets the total.
@@ -73,24 +118,28 @@ def all_reduce(values, devices, mean, timeout, communication_hint="auto", group=
   results = []
   for value, device in zip(values, devices):
     with tf.device(device):
-      results.append(_tf_internal.collective_all_reduce(
-          value, len(group), group_key, instance_key, mean, timeout, communication_hint))
+      results.append(_reduce_op(value, len(group), group_key, instance_key, "Add",
+                                "Div" if mean else "Id", timeout, communication_hint))
   return results
 
 
 def all_reduce_max(value, device, group, timeout):
   """This process's member (on `device`) of a collective maximum over `group`."""
   with tf.device(device):
-    return _tf_internal.collective_all_reduce_max(
-        value, len(group), _KEYS.group_key(group), _KEYS.instance_key(), timeout)
+    return _reduce_op(value, len(group), _KEYS.group_key(group), _KEYS.instance_key(),
+                      "Max", "Id", timeout)
 
 
 def all_gather(value, device, group, timeout):
   """This process's member of a collective gather over `group`: the members' values,
   of one shape, concatenated along axis 0 in the group's order."""
   with tf.device(device):
-    return _tf_internal.collective_all_gather(
-        value, len(group), _KEYS.group_key(group), _KEYS.instance_key(), timeout)
+    group_size, group_key, instance_key = (len(group), _KEYS.group_key(group),
+                                           _KEYS.instance_key())
+    if _tf_internal.in_while_loop():
+      return _tf_internal.all_gather_v2(value, group_size, group_key, instance_key, timeout,
+                                        ordering_token=_ordering_token())
+    return _tf_internal.all_gather_v1(value, group_size, group_key, instance_key, timeout)
 
 
 def run_together(results, devices):

@@ -111,3 +111,7 @@ class DefaultStrategy(DistributionStrategy):
 def default_strategy():
   """The default strategy (a singleton)."""
   return DefaultStrategy()
+
+
+# The context module asks for the default strategy whenever nothing is entered.
+_context.set_default_strategy(DefaultStrategy())

@@ -6,8 +6,8 @@ import os
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
-from diststrat.cluster import _connection
-from diststrat.cluster import _worker_group
+from diststrat._cluster_runtime import _connection
+from diststrat._cluster_runtime import _worker_group
 from diststrat.cross_tower_ops import _cross_worker
 from diststrat.strategies import _mirrored
 from diststrat.strategies import _tower_threads

@@ -8,12 +8,11 @@ from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _context
 from diststrat import _devices
-from diststrat import _tf_internal
 from diststrat import cross_tower_ops
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
-from diststrat.cluster import _connection
-from diststrat.cluster import _read_cache
+from diststrat._cluster_runtime import _connection
+from diststrat._cluster_runtime import _read_cache
 from diststrat.strategies import _tower_threads
 from diststrat.values import _variables
 from diststrat.values import _wrapped
@@ -367,9 +366,9 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     """
     aggregation = kwargs.get("aggregation") or tf.VariableAggregation.NONE
     on_read = kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
-    keras_state = (_tf_internal.keras_variable_origin() is not None
-                   and kwargs.get("trainable") is False)
-    if not on_read and (aggregation != tf.VariableAggregation.NONE or keras_state):
+    merged_state = (_variables.rules_for_new_variable().merges_tower_writes
+                    and kwargs.get("trainable") is False)
+    if not on_read and (aggregation != tf.VariableAggregation.NONE or merged_state):
       return _variables.MirroredVariable({device: variable}, aggregation, self)
     return _variables.mark_created_by(variable, self)
 

@@ -8,15 +8,16 @@ Keras 3 layers, `tf.train.Checkpoint` and `tf.saved_model.save` accept them. Eve
 and write goes to one component chosen by context (`_component()`), so there is no
 operator code here: the operators `tf.Variable` defines call `value()`.
 
-State that Keras 3 keeps in variables and writes inside the model's call (batch
-normalization's moving statistics, the state of a `SeedGenerator`) is created with
-aggregation NONE. A `MirroredVariable` that Keras made is therefore written in a tower by
-merging the towers' values (a mean weighted by each tower's share of the batch; integers
-take tower 0's value), so its copies never diverge; a seed generator's state is read in
-tower i > 0 with i hashed in, so each tower draws its own random stream. See
-docs/keras.md.
+Libraries may give the variables they make rules of their own (`VariableRules`), found
+by a creation hook (`add_rules_finder`) when the variable is made. Keras does
+(diststrat/_keras/_variable_rules.py): the state it keeps in variables and writes inside
+the model's call (batch normalization's moving statistics, the state of a
+`SeedGenerator`) has aggregation NONE, so a `MirroredVariable` it made is written in a
+tower by merging the towers' values; a seed's state is read in each tower with the
+tower's id hashed in. See docs/keras.md.
 """
 
+import threading
 import weakref
 
 import numpy as np
@@ -34,9 +35,23 @@ def _in_real_tower():
   return tower is not None and tower is not _context.default_tower_context()
 
 
+# --- which strategy made a plain variable ---------------------------------------------
+
+_creators = {}  # id(plain variable) -> the strategy that made it (entries die with it)
+_creators_lock = threading.Lock()
+
+
+def _forget_creator(key):
+  with _creators_lock:
+    _creators.pop(key, None)
+
+
 def mark_created_by(variable, strategy):
   """Records that `strategy` created the plain `tf.Variable` `variable` (see `created_by`)."""
-  variable._diststrat_strategy = strategy  # pylint: disable=protected-access
+  key = id(variable)
+  with _creators_lock:
+    _creators[key] = strategy
+  weakref.finalize(variable, _forget_creator, key)
   return variable
 
 
@@ -44,13 +59,50 @@ def created_by(variable):
   """The strategy that created `variable` (a distributed or a marked plain one), or None."""
   if isinstance(variable, DistributedVariable):
     return variable.distribution_strategy
-  return getattr(variable, "_diststrat_strategy", None)
+  with _creators_lock:
+    return _creators.get(id(variable))
 
 
-def _fold_tower_id(value, tower_id):
-  """A random seed with `tower_id` hashed in, of `value`'s dtype (a stream per tower)."""
-  seed = tf.random.experimental.stateless_fold_in(tf.cast(value, tf.int64), tower_id)
-  return tf.cast(seed, value.dtype)
+# --- rules a library gives the variables it makes ---------------------------------------
+
+
+class VariableRules:
+  """How a distributed variable behaves where diststrat has no rule of its own.
+
+  The default rules: none. A library whose variables need some (Keras's layer state
+  and seeds) subclasses this and registers a finder with `add_rules_finder`.
+  """
+
+  merges_tower_writes = False
+  """Writes in a tower to a mirrored variable with aggregation NONE are merged over the
+  towers (floats: a mean weighted by each tower's share of the batch; others: tower 0's
+  value) instead of raising. Under `ParameterServerStrategy`, non-trainable variables
+  with this rule are wrapped so that the merge happens."""
+
+  def tower_read(self, value):
+    """The value a tower reads (called in a tower context, with the component's value)."""
+    return value
+
+
+_NO_RULES = VariableRules()
+_rules_finders = []
+
+
+def add_rules_finder(finder):
+  """Registers `finder()`: called when a distributed variable is being created, it returns
+  the `VariableRules` of the variable being made, or None if it does not know it.
+  Registering the same finder twice registers it once."""
+  if finder not in _rules_finders:
+    _rules_finders.append(finder)
+
+
+def rules_for_new_variable():
+  """The rules of the variable being created now (call it from a variable creator)."""
+  for finder in _rules_finders:
+    rules = finder()
+    if rules is not None:
+      return rules
+  return _NO_RULES
 
 
 class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
@@ -68,13 +120,12 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     _wrapped.DistributedValues.__init__(self, index)
     self._aggregation = aggregation
     self._strategy = strategy
-    # Made inside a variable creator: the creating frames say whether Keras made it.
-    self._keras_origin = _tf_internal.keras_variable_origin()
+    self._rules = rules_for_new_variable()  # Made inside a variable creator.
     container = weakref.ref(self)
     for component in self._index.values():
-      component._diststrat_container = self  # pylint: disable=protected-access
-      # How a Keras optimizer finds, from the copy it updates, the variable it keys on.
-      component._distributed_container = container  # pylint: disable=protected-access
+      # How diststrat (`container_of`) and a Keras optimizer find, from a copy, the
+      # variable it belongs to.
+      _tf_internal.set_distributed_container(component, container)
 
   # --- which component a read or write uses ---
 
@@ -102,11 +153,11 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
 
   @property
   def _shared_name(self):
-    return self.primary._shared_name  # pylint: disable=protected-access
+    return _tf_internal.shared_name(self.primary)
 
   @property
   def _unique_id(self):
-    return self.primary._unique_id  # pylint: disable=protected-access
+    return _tf_internal.unique_id(self.primary)
 
   @property
   def dtype(self):
@@ -163,7 +214,7 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
 
   @property
   def _in_graph_mode(self):
-    return self.primary._in_graph_mode  # pylint: disable=protected-access
+    return _tf_internal.in_graph_mode(self.primary)
 
   def is_initialized(self, name=None):
     return tf.reduce_all([c.is_initialized() for c in self._index.values()], name=name)
@@ -171,11 +222,10 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   # --- reads ---
 
   def _tower_stream(self, value):
-    """A Keras seed state read in tower i > 0 gets i hashed in; anything else as it is."""
-    if self._keras_origin != "seed" or not _in_real_tower():
+    """A value read in a tower, as this variable's rules give it (unchanged by default)."""
+    if self._rules is _NO_RULES or not _in_real_tower():
       return value
-    tower_id = _context.get_tower_context().tower_id
-    return _fold_tower_id(value, tower_id) if tower_id else value
+    return self._rules.tower_read(value)
 
   @tf.autograph.experimental.do_not_convert
   def value(self):
@@ -199,8 +249,8 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     return self.read_value().numpy()
 
   def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-    # pylint: disable=protected-access
-    value = self._component()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
+    value = _tf_internal.dense_var_to_tensor(self._component(), dtype=dtype, name=name,
+                                             as_ref=as_ref)
     return value if as_ref else self._tower_stream(value)
 
   def __array__(self, dtype=None, copy=None):
@@ -270,7 +320,7 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
 
   def _copy_trackable_to_cpu(self, object_map):
     # Asynchronous checkpoints copy the variable to the host; one copy is the value.
-    self.primary._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+    _tf_internal.copy_trackable_to_cpu(self.primary, object_map)
     object_map[self] = object_map[self.primary]
 
   # --- SavedModel: one plain variable, the primary copy ---
@@ -279,10 +329,9 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
                                    **kwargs):
     # The exported functions may have captured any copy's handle (each was traced in
     # some context): every copy stands for the primary's exported variable.
-    # pylint: disable=protected-access
     primary = self.primary
-    resources = primary._export_to_saved_model_graph(
-        object_map=object_map, tensor_map=tensor_map, options=options, **kwargs)
+    resources = _tf_internal.export_to_saved_model_graph(
+        primary, object_map=object_map, tensor_map=tensor_map, options=options, **kwargs)
     for component in self._index.values():
       if component is not primary:
         object_map[component] = object_map[primary]
@@ -292,7 +341,7 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     return resources
 
   def _write_object_proto(self, proto, options):
-    self.primary._write_object_proto(proto, options)  # pylint: disable=protected-access
+    _tf_internal.write_object_proto(self.primary, proto, options)
 
 
 class MirroredVariable(DistributedVariable):
@@ -326,7 +375,7 @@ class MirroredVariable(DistributedVariable):
         return self._write_one(device, method, value, read_value)
       return self._write_all(method, value, read_value)
     if self._aggregation == tf.VariableAggregation.NONE:
-      if self._keras_origin is not None:
+      if self._rules.merges_tower_writes:
         return self._merge_tower_writes(method, value, read_value)
       raise ValueError(
           f"Cannot {method}() the mirrored variable {self.name!r} in a tower context "
@@ -357,7 +406,7 @@ class MirroredVariable(DistributedVariable):
     return None if tf.executing_eagerly() else op
 
   def _merge_tower_writes(self, method, value, read_value):
-    """A Keras-made NONE variable written in towers: merge the towers' values, write all.
+    """A NONE variable whose rules merge tower writes: merge the towers' values, write all.
 
     Floats: the towers' values averaged, each weighted by its tower's share of the batch
     (so batch normalization's moving mean equals one device's); integers (a seed
@@ -456,10 +505,6 @@ class TowerLocalVariable(DistributedVariable):
     return super()._restore_value(value)
 
 
-def _to_tensor(value, dtype=None, name=None, as_ref=False):
-  return value._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)  # pylint: disable=protected-access
-
-
 # One registration covers every distributed variable: TensorFlow then reads the
 # component for the current context, so the read is visible to tf.GradientTape.
-tf.register_tensor_conversion_function(DistributedVariable, _to_tensor)
+tf.register_tensor_conversion_function(DistributedVariable, _tf_internal.dense_var_to_tensor)

@@ -3,6 +3,7 @@
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _devices
+from diststrat import _tf_internal
 from diststrat import errors
 
 
@@ -177,7 +178,8 @@ def _implicit_device():
 
 def container_of(component):
   """The distributed variable that `component` is one copy of, or None."""
-  return getattr(component, "_diststrat_container", None)
+  container = _tf_internal.distributed_container(component)
+  return container if isinstance(container, DistributedValues) else None
 
 
 # --- structures -----------------------------------------------------------------------

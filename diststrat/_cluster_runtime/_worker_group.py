@@ -19,7 +19,7 @@ from diststrat._tf import tf
 from diststrat import _devices
 from diststrat import _tf_internal
 from diststrat import errors
-from diststrat.cluster import _watchdog
+from diststrat._cluster_runtime import _watchdog
 
 _PROBE_TIMEOUT = 1.0
 _ADVICE = ("TensorFlow aborts every later collective in a process once one failed: "
@@ -52,7 +52,10 @@ class WorkerGroup:
     self.name = name
     try:
       _tf_internal.enable_cross_process_collectives(
-          tf.train.ClusterSpec(cluster_spec), task_type, task_id, leader=self.tasks[0])
+          tf.train.ClusterSpec(cluster_spec), task_type, task_id, leader=self.tasks[0],
+          # Grappler's ScopedAllocatorOptimizer for the V1 all-reduces: faster steps, at a
+          # cost to large all-reduces (docs/benchmarks.md, "The ScopedAllocatorOptimizer").
+          scoped_allocator_ops=("CollectiveReduce",))
     except (RuntimeError, ValueError) as e:
       raise errors.ContextError(
           f"{name} must be created before TensorFlow initializes in this process (before "

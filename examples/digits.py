@@ -1,6 +1,6 @@
 """The diststrat demo: train a digits classifier on several devices, then on one.
 
-`make demo` (or `python -m diststrat.demo`, or the `diststrat-demo` script) trains a small
+`make demo` (or `python examples/digits.py`) trains a small
 Keras 3 CNN (convolutions, batch normalization, dropout) on scikit-learn's bundled 8x8
 digits with `MirroredStrategy`: one tower per GPU, or, with no GPU, the CPU split into
 `--towers` logical devices. The model is built and compiled in `strategy.scope()` and
@@ -11,7 +11,7 @@ the same model on one device with no strategy and prints both results side by si
 diststrat optimizer in a `tf.function` step). See docs/demo.md.
 
 Example:
-  python -m diststrat.demo --towers=2 --epochs=10 --reduction=naive
+  python examples/digits.py --towers=2 --epochs=10 --reduction=naive
 """
 
 import contextlib
@@ -449,10 +449,5 @@ def main(argv):
   sys.stdout.write(format_report(config, result, baseline))
 
 
-def run():
-  """The `diststrat-demo` console script."""
-  app.run(main)
-
-
 if __name__ == "__main__":
-  run()
+  app.run(main)

@@ -41,8 +41,8 @@ import weakref
 
 from diststrat._tf import tf
 from diststrat import _arguments
-from diststrat import _tf_internal
 from diststrat import errors
+from diststrat._cluster_runtime import _faults
 
 logger = logging.getLogger("diststrat")
 
@@ -77,12 +77,12 @@ def translate_error(error):
   """
   if getattr(_thread_state, "raw", False) or not isinstance(error, tf.errors.OpError):
     return error
-  if not is_cluster_fault(error):
+  if not _faults.is_cluster_fault(error):
     return error
   guards = list(_live_guards)
   if not guards:
     return error
-  named = [g for g in guards if _tf_internal.tasks_named_in_error(error, g.tasks)]
+  named = [g for g in guards if _faults.tasks_named_in_error(error, g.tasks)]
   guard = (named or guards)[-1]
   with raw_errors():
     return guard.translate(error, getattr(_thread_state, "what", None) or "an operation",
@@ -105,15 +105,6 @@ def _probe_function(device):
       return tf.raw_ops.Identity(input=tf.constant(0))
 
   return probe
-
-
-def is_cluster_fault(error):
-  """Whether a TensorFlow error means a task died, restarted or could not be reached."""
-  if isinstance(error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError)):
-    return True
-  return (_tf_internal.error_means_task_restarted(error) or
-          (isinstance(error, tf.errors.OpError) and
-           _tf_internal.error_means_connection_lost(error)))
 
 
 class _Job:
@@ -273,10 +264,10 @@ class StepGuard:
       record: remember the fault (see `check_healthy`).
       probe: ask the tasks which one is at fault; else the error's text decides.
     """
-    if not isinstance(error, tf.errors.OpError) or not is_cluster_fault(error):
+    if not isinstance(error, tf.errors.OpError) or not _faults.is_cluster_fault(error):
       return error
     task, status = self._blame(error, probe)
-    summary = _tf_internal.error_summary(error)
+    summary = _faults.error_summary(error)
     if task is None and status is None and self._blame_silent_peers and isinstance(
         error, tf.errors.DeadlineExceededError):
       # Every peer answers, yet the collective timed out: they did not join it.
@@ -294,7 +285,7 @@ class StepGuard:
       self._failure = error
     who = f"{self._role} {task}" if task else f"A {self._role.lower()}"
     if status == "restarted" or (status is None and
-                                 _tf_internal.error_means_task_restarted(error)):
+                                 _faults.error_means_task_restarted(error)):
       message = (f"{who} restarted since {self._name} connected to it, so the state it "
                  f"held is gone ({what} failed: {summary}). {self._restarted_advice}")
     else:
@@ -312,7 +303,7 @@ class StepGuard:
     every task answering, the message decides.
     """
     statuses = self._probe_all(_BLAME_TIME) if probe else {}
-    named = _tf_internal.tasks_named_in_error(error, self.tasks)
+    named = _faults.tasks_named_in_error(error, self.tasks)
     order = list(self.tasks)
 
     def ranked(tasks):
@@ -379,11 +370,11 @@ class StepGuard:
       self._probe(task)
       result["status"] = "answers"
     except Exception as e:  # pylint: disable=broad-except
-      if _tf_internal.error_means_task_restarted(e):
+      if _faults.error_means_task_restarted(e):
         result["status"] = "restarted"
       else:
         result["status"] = (f"cannot be reached ({type(e).__name__}: "
-                            f"{_tf_internal.error_summary(e)})")
+                            f"{_faults.error_summary(e)})")
 
   def _collect_probes(self, probes, timeout=0.0):
     deadline = time.monotonic() + timeout

@@ -17,8 +17,8 @@ from diststrat import _arguments
 from diststrat import _devices
 from diststrat import _tf_internal
 from diststrat import errors
-from diststrat.cluster import _shared_variables
-from diststrat.cluster import _watchdog
+from diststrat._cluster_runtime import _shared_variables
+from diststrat._cluster_runtime import _watchdog
 
 PS_JOB = "ps"
 _CONNECT_PROBE_TIMEOUT = 60.0  # Seconds a PS task has to answer when step_timeout is None.

@@ -1,4 +1,4 @@
-"""Variables that live on a parameter-server task under a shared name (SPEC section 9).
+"""Variables that live on a parameter-server task under a shared name (docs/parameter_server.md).
 
 An eager `tf.Variable` is an anonymous resource: only the process that made it can find
 it. A `SharedVariable` is a resource variable on a parameter-server (PS) task registered
@@ -21,7 +21,7 @@ How one is made (`create_shared_variable`):
    reads, assigns and scatters: `_tf_internal.RESOURCE_METHODS`), where TensorFlow
    enqueues eager remote ops asynchronously instead of wrapping each in a synchronous
    function call. The exception: a dense read in a tower of a `call_for_each_tower`
-   that caches reads is served by that call's `ReadCache` (cluster/_read_cache.py),
+   that caches reads is served by that call's `ReadCache` (_cluster_runtime/_read_cache.py),
    and every write drops the variable from the open caches.
 
 Shared names must be the same in every worker process and unique: `SharedNames` gives
@@ -36,7 +36,8 @@ import time
 
 from diststrat._tf import tf
 from diststrat import _tf_internal
-from diststrat.cluster import _read_cache
+from diststrat._cluster_runtime import _faults
+from diststrat._cluster_runtime import _read_cache
 
 INIT_LOCK_NAME = "diststrat/init_lock"
 """Shared name of the mutex on each PS task that makes create-if-missing atomic."""
@@ -133,7 +134,7 @@ def _on_variable_device(name, method):
   """`method` with the variable's read cache in front and its PS device around it.
 
   A read in a tower of a `call_for_each_tower` that caches reads is served by that
-  call's `ReadCache` (cluster/_read_cache.py), before any PS device scope, so that the
+  call's `ReadCache` (_cluster_runtime/_read_cache.py), before any PS device scope, so that the
   use is made on the tower's device; a write drops the variable from every open cache.
   Everything else runs under the PS device (`_run_on_ps`).
   """
@@ -181,7 +182,7 @@ def _run_on_ps(variable, name, method, args, kwargs):
   return result
 
 
-_READ_ON_DEVICE = _tf_internal.ResourceVariableFromHandle._read_variable_op  # Unwrapped.
+_READ_ON_DEVICE = _tf_internal.base_resource_method("_read_variable_op")  # Unwrapped.
 _tf_internal.wrap_resource_methods(SharedVariable, _on_variable_device)
 
 
@@ -288,7 +289,13 @@ def create_shared_variable(*, device, local_device, shared_name, initial_value, 
     with tf.device(device):
       remote = tf.raw_ops.VarHandleOp(dtype=dtype, shape=shape, shared_name=shared_name,
                                       container="")
-    handle = _tf_internal.copy_to_device(remote, local_device)
+    try:
+      handle = _tf_internal.copy_to_device(remote, local_device)
+    except RuntimeError as e:  # A lost connection: raised as an op's error would be.
+      translated = _faults.as_op_error(e)
+      if translated is e:
+        raise
+      raise translated from e
     _, found = _create_if_missing_fn(device, dtype)(handle, initial_value)
     return handle, tf.TensorShape(found.numpy().tolist())
 

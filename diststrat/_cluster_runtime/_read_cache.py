@@ -1,4 +1,4 @@
-"""Read caching for parameter-server variables (SPEC section 9): one read per step.
+"""Read caching for parameter-server variables (docs/parameter_server.md): one read per step.
 
 Without caching, every dense use of a `SharedVariable` in a tower (`value()`,
 `tf.convert_to_tensor`, an operator, a Keras layer's call) is its own `ReadVariableOp`
@@ -35,7 +35,6 @@ import weakref
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _tf_internal
-from diststrat.strategies import _tower_threads
 
 DEFAULT_MAX_BYTES = 64 * 2**20
 """Variables up to this size are cached; larger ones are read where they are used.
@@ -169,11 +168,8 @@ def active_cache():
   call caches reads.
   """
   context = _context.get_tower_context()
-  if isinstance(context, _tower_threads.ThreadedTowerContext):
-    cache = context.step_cache
-    if isinstance(cache, ReadCache):
-      return cache
-  return None
+  cache = None if context is None else context.step_cache
+  return cache if isinstance(cache, ReadCache) else None
 
 
 def invalidate(variable):

@@ -24,9 +24,11 @@ What Keras then does by itself, unchanged:
   each tower by its examples.
 * `BatchNormalization(synchronized=True)` all-reduces its moments (differentiably).
 
-This module registers itself with the context module (`_context.add_mode_listener`)
-when imported; `_strategy.py` imports it, so every strategy has it. See docs/keras.md.
+`diststrat._keras.install()` registers `tf_mode` with the context module
+(`_context.add_mode_listener`); `import diststrat` calls it. See docs/keras.md.
 """
+
+import weakref
 
 from diststrat._tf import tf
 from diststrat import _context
@@ -38,16 +40,19 @@ from diststrat.values import _variables
 from diststrat.values import _wrapped
 
 
+_adapters = weakref.WeakKeyDictionary()  # strategy -> its StrategyAdapter
+_checked_models = weakref.WeakKeyDictionary()  # Keras model -> the adapter that checked it
+
+
 def adapter_for(strategy):
   """The one `StrategyAdapter` of `strategy` (made on first use)."""
-  adapter = strategy.__dict__.get("_tf_distribute_adapter")
+  adapter = _adapters.get(strategy)
   if adapter is None:
-    adapter = StrategyAdapter(strategy)
-    strategy.__dict__["_tf_distribute_adapter"] = adapter
+    adapter = _adapters.setdefault(strategy, StrategyAdapter(strategy))
   return adapter
 
 
-def _tf_mode(strategy, tower_context):
+def tf_mode(strategy, tower_context):
   """The mode listener: what TensorFlow should report while this diststrat mode is current."""
   if _context.is_default_strategy(strategy):
     return None  # TensorFlow's own default strategy stands for ours.
@@ -57,8 +62,6 @@ def _tf_mode(strategy, tower_context):
   return _tf_internal.tf_distribution_mode(adapter,
                                            ReplicaContextAdapter(adapter, tower_context))
 
-
-_context.add_mode_listener(_tf_mode)
 
 
 def _reduce_op_name(reduce_op):
@@ -387,7 +390,7 @@ class StrategyAdapter:
   def _check_model(self, model):
     """Refuses (never a silent run on one device) a Keras model not made in this scope."""
     if model is None or not hasattr(model, "get_metrics_result") or \
-        model.__dict__.get("_diststrat_checked") is self:
+        _checked_models.get(model) is self:
       return
     foreign = [v.path for v in model.variables
                if _variables.created_by(as_tf_variable(v)) is not self._ds]
@@ -407,12 +410,11 @@ class StrategyAdapter:
           f"({type(optimizer).__name__}). Create the optimizer and compile the model inside "
           "`with strategy.scope():`.")
     if model.variables:
-      model.__dict__["_diststrat_checked"] = self
+      _checked_models[model] = self
 
   def _combine(self, fn, outputs):
-    model = getattr(fn, "__self__", None)
-    if getattr(fn, "__name__", "") in ("train_step", "test_step") and \
-        hasattr(model, "get_metrics_result"):
+    if _is_train_or_test_step(fn):
+      model = fn.__self__
       metrics = model.get_metrics_result()  # Cross-tower: tower-local metrics summed.
       if isinstance(outputs, dict):
         return {k: metrics[k] if k in metrics else self._mean(v) for k, v in outputs.items()}
@@ -449,6 +451,14 @@ class StrategyAdapter:
 
   def gather(self, value, axis):
     return self._ds.gather(value, axis=axis)
+
+
+def _is_train_or_test_step(fn):
+  """Whether `fn` is a Keras model's own `train_step` or `test_step` (bound to it)."""
+  model = getattr(fn, "__self__", None)
+  if model is None or not hasattr(model, "get_metrics_result"):
+    return False
+  return fn == getattr(model, "train_step", None) or fn == getattr(model, "test_step", None)
 
 
 def _check_splittable(value):

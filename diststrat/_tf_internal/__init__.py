@@ -1,0 +1,109 @@
+"""The TensorFlow boundary: every place diststrat reaches past TensorFlow's or Keras's
+public API.
+
+Nothing outside this package imports `tensorflow.python` (or `tensorflow.core`) or
+`keras.src`, touches a private attribute of a TensorFlow or Keras object, or calls one of
+TensorFlow's private protocol methods on another object; tests/test_architecture.py
+checks it. Each reach is one named function or class with the reason no public API does
+the job, in the module of its kind:
+
+| module | what it reaches |
+|---|---|
+| `_thread_state` | the calling thread's device scope, variable creators, control inputs, and whether a `tf.while_loop` body is being built |
+| `_collectives` | collective ops; setting up collectives across processes; a peer's health |
+| `_functions` | calling a traced function with a flat list of tensors |
+| `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path |
+| `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components |
+| `_tapes` | recording on gradient tapes |
+| `_keras` | Keras 3 variables and optimizers; which Keras code creates a variable |
+| `_distribute_stack` | TensorFlow's per-thread distribution-mode stack (`tf.distribute.get_strategy()`) |
+| `_autograph` | letting diststrat's errors through AutoGraph |
+
+Policy stays with the modules that own it: which collective op version to use
+(diststrat/cross_tower_ops/_collective.py), which TensorFlow errors mean a cluster fault
+(diststrat/_cluster_runtime/_faults.py), when to install the error translator
+(diststrat/_cluster_runtime).
+
+tests/test_tf_internal.py has a test named after every name exported here
+(tests/test_architecture.py checks that too): after a TensorFlow or Keras upgrade, the
+test of the reach that broke fails, instead of a user's training step. `PROTOCOLS` lists
+the private method names TensorFlow calls on diststrat's own objects, defined where the
+objects are.
+"""
+
+from diststrat._tf_internal._autograph import pass_through_autograph as pass_through_autograph
+from diststrat._tf_internal._autograph import pass_through_autograph_class as pass_through_autograph_class
+from diststrat._tf_internal._base import PROTOCOL_NAMES as PROTOCOL_NAMES
+from diststrat._tf_internal._base import PROTOCOLS as PROTOCOLS
+from diststrat._tf_internal._base import TensorFlowInternalsError as TensorFlowInternalsError
+from diststrat._tf_internal._cluster_rpc import copy_to_device as copy_to_device
+from diststrat._tf_internal._cluster_rpc import install_error_translator as install_error_translator
+from diststrat._tf_internal._cluster_rpc import probe_tf_server as probe_tf_server
+from diststrat._tf_internal._cluster_rpc import uninstall_error_translator as uninstall_error_translator
+from diststrat._tf_internal._collectives import all_gather_v1 as all_gather_v1
+from diststrat._tf_internal._collectives import all_gather_v2 as all_gather_v2
+from diststrat._tf_internal._collectives import all_reduce_v1 as all_reduce_v1
+from diststrat._tf_internal._collectives import all_reduce_v2 as all_reduce_v2
+from diststrat._tf_internal._collectives import check_peer_health as check_peer_health
+from diststrat._tf_internal._collectives import enable_cross_process_collectives as enable_cross_process_collectives
+from diststrat._tf_internal._distribute_stack import tf_distribution_mode as tf_distribution_mode
+from diststrat._tf_internal._functions import call_flat as call_flat
+from diststrat._tf_internal._keras import keras_backing_variable as keras_backing_variable
+from diststrat._tf_internal._keras import keras_optimizer_strategy as keras_optimizer_strategy
+from diststrat._tf_internal._keras import keras_variable_origin as keras_variable_origin
+from diststrat._tf_internal._tapes import record_backward as record_backward
+from diststrat._tf_internal._tapes import record_variable_read as record_variable_read
+from diststrat._tf_internal._tapes import should_record as should_record
+from diststrat._tf_internal._tapes import stop_recording as stop_recording
+from diststrat._tf_internal._tapes import variable_accessed as variable_accessed
+from diststrat._tf_internal._thread_state import current_control_dependencies as current_control_dependencies
+from diststrat._tf_internal._thread_state import current_device as current_device
+from diststrat._tf_internal._thread_state import in_while_loop as in_while_loop
+from diststrat._tf_internal._thread_state import set_variable_creator_stack as set_variable_creator_stack
+from diststrat._tf_internal._thread_state import variable_creator_stack as variable_creator_stack
+from diststrat._tf_internal._thread_state import variable_creators as variable_creators
+from diststrat._tf_internal._variables import READ_METHODS as READ_METHODS
+from diststrat._tf_internal._variables import RESOURCE_METHODS as RESOURCE_METHODS
+from diststrat._tf_internal._variables import ResourceVariableFromHandle as ResourceVariableFromHandle
+from diststrat._tf_internal._variables import base_resource_method as base_resource_method
+from diststrat._tf_internal._variables import copy_trackable_to_cpu as copy_trackable_to_cpu
+from diststrat._tf_internal._variables import dense_var_to_tensor as dense_var_to_tensor
+from diststrat._tf_internal._variables import distributed_container as distributed_container
+from diststrat._tf_internal._variables import export_to_saved_model_graph as export_to_saved_model_graph
+from diststrat._tf_internal._variables import in_graph_mode as in_graph_mode
+from diststrat._tf_internal._variables import set_distributed_container as set_distributed_container
+from diststrat._tf_internal._variables import shared_name as shared_name
+from diststrat._tf_internal._variables import unique_id as unique_id
+from diststrat._tf_internal._variables import wrap_resource_methods as wrap_resource_methods
+from diststrat._tf_internal._variables import write_object_proto as write_object_proto
+
+__all__ = [
+    # thread state
+    "current_device", "variable_creator_stack", "variable_creators",
+    "set_variable_creator_stack", "current_control_dependencies", "in_while_loop",
+    # collectives
+    "all_reduce_v1", "all_reduce_v2", "all_gather_v1", "all_gather_v2",
+    "enable_cross_process_collectives", "check_peer_health",
+    # functions
+    "call_flat",
+    # cluster RPC and TensorFlow's error path
+    "probe_tf_server", "copy_to_device", "install_error_translator",
+    "uninstall_error_translator",
+    # variables
+    "ResourceVariableFromHandle", "RESOURCE_METHODS", "READ_METHODS",
+    "base_resource_method", "wrap_resource_methods", "shared_name", "unique_id",
+    "in_graph_mode", "dense_var_to_tensor", "copy_trackable_to_cpu",
+    "export_to_saved_model_graph", "write_object_proto", "set_distributed_container",
+    "distributed_container",
+    # tapes
+    "record_backward", "stop_recording", "should_record", "variable_accessed",
+    "record_variable_read",
+    # Keras
+    "keras_backing_variable", "keras_optimizer_strategy", "keras_variable_origin",
+    # the distribution-mode stack
+    "tf_distribution_mode",
+    # AutoGraph
+    "pass_through_autograph", "pass_through_autograph_class",
+    # the boundary itself
+    "TensorFlowInternalsError", "PROTOCOLS", "PROTOCOL_NAMES",
+]

@@ -1,0 +1,137 @@
+"""TensorFlow's gRPC runtime seen from a client: probing a server, copying a handle,
+and the error path of eager ops.
+
+- Connecting to a cluster blocks, with no timeout, while a task is down or frozen
+  (TensorFlow's remote device discovery waits for the task): a task is asked first
+  whether it answers, with the same RPC and a deadline (`probe_tf_server`).
+- No public op brings a remote resource handle to this process (`copy_to_device`).
+- Cluster faults reach the user from inside TensorFlow's own calls (an op, a
+  `tf.function` step), where only a hook in TensorFlow's error path can give them
+  diststrat's type (`install_error_translator`). Which errors are faults is decided by
+  the caller (diststrat/_cluster_runtime/_faults.py).
+"""
+
+import grpc  # TensorFlow's own dependency: its gRPC runtime.
+
+from tensorflow.python.eager import core as _eager_core  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.eager import execute as _execute  # pylint: disable=g-direct-tensorflow-import
+
+from diststrat._tf import tf
+from diststrat._tf_internal import _base
+
+_GET_STATUS = "/tensorflow.WorkerService/GetStatus"
+
+
+def probe_tf_server(addresses, timeout):
+  """Asks each TensorFlow server at `addresses` for its devices, all at once.
+
+  The RPC TensorFlow's remote device discovery sends, with a deadline: a server that is
+  down refuses at once, a frozen one does not answer in time (its kernel still accepts
+  TCP connections, so only an RPC tells). Touches no TensorFlow state.
+
+  Args:
+    addresses: "host:port" strings.
+    timeout: seconds the servers have to answer.
+
+  Returns:
+    One entry per address: None if it answered, else a short description of the failure
+    ("cannot be reached (UNAVAILABLE: ...)" or "did not answer within N s").
+  """
+  channels, calls = [], []
+  try:
+    for address in addresses:
+      channel = grpc.insecure_channel(address)
+      channels.append(channel)
+      stub = channel.unary_unary(_GET_STATUS, request_serializer=lambda _: b"",
+                                 response_deserializer=lambda raw: raw)
+      calls.append(stub.future(None, timeout=timeout))
+    outcomes = []
+    for call in calls:
+      try:
+        call.result()
+        outcomes.append(None)
+      except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+          outcomes.append(f"did not answer within {timeout:g} s (frozen, overloaded or cut "
+                          "off)")
+        else:
+          outcomes.append(f"cannot be reached ({e.code().name}: {e.details()})")
+    return outcomes
+  finally:
+    for channel in channels:
+      channel.close()
+
+
+def copy_to_device(tensor, device):
+  """Copies an eager tensor to `device`, whatever its dtype (resource handles included).
+
+  `tf.identity` of a resource handle runs where the resource lives, so it cannot bring a
+  parameter server's handle to the worker; the eager tensor's own copy can. A failed
+  remote copy raises a bare `RuntimeError` (TensorFlow's), not an op error.
+  """
+  return tensor._copy_to_device(device)  # pylint: disable=protected-access
+
+
+_TRANSLATOR_MARK = "_diststrat_translator"
+# Where TensorFlow 2.21 raises errors of eager ops and function calls: ops on the fast
+# path build them in core._status_to_exception; the others, and every tf.function call,
+# come out of execute.quick_execute (also named execute.execute, and used by
+# execute_with_cancellation's callers).
+_EXECUTE_NAMES = ("quick_execute", "execute", "execute_with_cancellation")
+
+
+def _wrap_raising(function, translate):
+  def wrapper(*args, **kwargs):
+    try:
+      return function(*args, **kwargs)
+    except tf.errors.OpError as e:
+      translated = _translate_safely(translate, e)
+      if translated is e:
+        raise
+      raise translated from e
+  setattr(wrapper, _TRANSLATOR_MARK, function)
+  return wrapper
+
+
+def _translate_safely(translate, error):
+  try:
+    return translate(error)
+  except Exception:  # pylint: disable=broad-except
+    return error  # A translator that fails leaves the error as TensorFlow made it.
+
+
+def install_error_translator(translate):
+  """Passes every error raised by an eager op or a `tf.function` call to `translate`.
+
+  `translate(error)` returns the exception to raise: the same one, or another (raised
+  from it). Installing again replaces the translator; `uninstall_error_translator`
+  restores TensorFlow's own functions.
+
+  Raises:
+    TensorFlowInternalsError: TensorFlow no longer has the functions it wraps.
+  """
+  uninstall_error_translator()
+  missing = [n for n in _EXECUTE_NAMES if not callable(getattr(_execute, n, None))]
+  if not callable(getattr(_eager_core, "_status_to_exception", None)):
+    missing.append("core._status_to_exception")
+  if missing:
+    raise _base.missing("TensorFlow's eager error path", f"missing {', '.join(missing)}, "
+                        "so cluster faults would keep TensorFlow's error types")
+  for name in _EXECUTE_NAMES:
+    setattr(_execute, name, _wrap_raising(getattr(_execute, name), translate))
+  original = _eager_core._status_to_exception  # pylint: disable=protected-access
+
+  def status_to_exception(status):
+    return _translate_safely(translate, original(status))
+
+  setattr(status_to_exception, _TRANSLATOR_MARK, original)
+  _eager_core._status_to_exception = status_to_exception  # pylint: disable=protected-access
+
+
+def uninstall_error_translator():
+  """Restores TensorFlow's own error path (undoes `install_error_translator`)."""
+  for module, names in ((_execute, _EXECUTE_NAMES), (_eager_core, ("_status_to_exception",))):
+    for name in names:
+      original = getattr(getattr(module, name, None), _TRANSLATOR_MARK, None)
+      if original is not None:
+        setattr(module, name, original)

@@ -1,0 +1,127 @@
+"""Variables: wrapping an existing resource handle, and the protocols TensorFlow calls.
+
+- Variables shared across processes by name (cluster mode): no public class wraps an
+  existing resource handle as a `tf.Variable` (`ResourceVariableFromHandle`,
+  `RESOURCE_METHODS`, `wrap_resource_methods`, `base_resource_method`).
+- A distributed variable stands for one of its components in TensorFlow's private
+  protocols (`_shared_name`, `_unique_id`, checkpoints, SavedModel export): it answers
+  with the component's answer, which these functions fetch (`shared_name`, `unique_id`,
+  `in_graph_mode`, `dense_var_to_tensor`, `copy_trackable_to_cpu`,
+  `export_to_saved_model_graph`, `write_object_proto`).
+- A Keras optimizer finds the variable that owns the copy it updates, to find that
+  variable's slots, through the copy's `_distributed_container`
+  (`set_distributed_container`, `distributed_container`).
+"""
+
+import functools
+
+from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
+
+from diststrat._tf_internal import _base
+
+# pylint: disable=protected-access
+
+
+class ResourceVariableFromHandle(_resource_variable_ops.BaseResourceVariable):
+  """A `tf.Variable` around a resource handle that already exists.
+
+  `BaseResourceVariable` gives every `tf.Variable` behaviour (tapes, assign*, scatter_*,
+  checkpoints, `tf.function` captures); its constructor takes the handle through private
+  arguments.
+  """
+
+  def __init__(self, *, handle, shape, dtype, name, trainable=None, synchronization=None,
+               aggregation=None, constraint=None, unique_id):
+    super().__init__(
+        trainable=trainable, shape=shape, dtype=dtype, handle=handle,
+        constraint=constraint, synchronization=synchronization, aggregation=aggregation,
+        name=name, unique_id=unique_id, handle_name=name, in_graph_mode=False)
+
+
+RESOURCE_METHODS = (
+    "_read_variable_op", "read_value", "read_value_no_copy", "sparse_read",
+    "is_initialized", "assign", "assign_add", "assign_sub", "scatter_sub", "scatter_add",
+    "scatter_max", "scatter_min", "scatter_mul", "scatter_div", "scatter_update",
+    "scatter_nd_sub", "scatter_nd_add", "scatter_nd_update", "scatter_nd_max",
+    "scatter_nd_min", "_strided_slice_assign",
+)
+"""The methods of a resource variable that run an op on its resource.
+
+Not `gather_nd` and `batch_scatter_update`: run eagerly on a remote device, their shape
+functions do not see the variable's shape and fail (plain remote tf.Variables fail the
+same way in TF 2.21); TensorFlow places them by the resource when left alone.
+"""
+
+READ_METHODS = ("_read_variable_op", "read_value", "read_value_no_copy")
+"""The methods of `RESOURCE_METHODS` that return the variable's value."""
+
+
+def base_resource_method(name):
+  """TensorFlow's own method `name` of `RESOURCE_METHODS`, as a function of the variable."""
+  return getattr(_resource_variable_ops.BaseResourceVariable, name)
+
+
+def wrap_resource_methods(cls, wrap):
+  """Replaces each method of `RESOURCE_METHODS` on `cls` by `wrap(name, method)`.
+
+  Raises:
+    TensorFlowInternalsError: `BaseResourceVariable` lacks one of them (a method left
+      unwrapped would silently run in the wrong place).
+  """
+  base = _resource_variable_ops.BaseResourceVariable
+  missing = [name for name in RESOURCE_METHODS if not callable(getattr(base, name, None))]
+  if missing:
+    raise _base.missing("BaseResourceVariable's methods " + ", ".join(RESOURCE_METHODS),
+                        f"missing {', '.join(missing)}")
+  for name in RESOURCE_METHODS:
+    setattr(cls, name, functools.wraps(getattr(base, name))(wrap(name, getattr(base, name))))
+
+
+# --- a component's answers to TensorFlow's protocols ----------------------------------
+
+
+def shared_name(variable):
+  """The name of `variable`'s resource (`_shared_name`)."""
+  return variable._shared_name
+
+
+def unique_id(variable):
+  """The id TensorFlow keys `variable` by in tapes and functions (`_unique_id`)."""
+  return variable._unique_id
+
+
+def in_graph_mode(variable):
+  """Whether `variable` was made in a TF1 graph (`_in_graph_mode`)."""
+  return variable._in_graph_mode
+
+
+def dense_var_to_tensor(variable, dtype=None, name=None, as_ref=False):
+  """`variable` converted to a tensor as `tf.convert_to_tensor` does it."""
+  return variable._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
+
+
+def copy_trackable_to_cpu(variable, object_map):
+  """Asynchronous checkpoints: `variable`'s copy on the host, recorded in `object_map`."""
+  variable._copy_trackable_to_cpu(object_map)
+
+
+def export_to_saved_model_graph(variable, object_map, tensor_map, options, **kwargs):
+  """Writes `variable` into the SavedModel graph being built; returns its resources."""
+  return variable._export_to_saved_model_graph(
+      object_map=object_map, tensor_map=tensor_map, options=options, **kwargs)
+
+
+def write_object_proto(variable, proto, options):
+  """Fills `variable`'s SavedModel object proto."""
+  variable._write_object_proto(proto, options)
+
+
+def set_distributed_container(component, container):
+  """Makes `component` report `container()` (a weak reference) as its owner."""
+  component._distributed_container = container
+
+
+def distributed_container(component):
+  """The object `component` reports as its owner, or None."""
+  container = getattr(component, "_distributed_container", None)
+  return container() if callable(container) else None

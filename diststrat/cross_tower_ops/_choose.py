@@ -1,0 +1,32 @@
+"""The one chooser of a reduction for a set of devices.
+
+`MirroredStrategy` (and anything else that is given no `CrossTowerOps`) reduces with
+what `choose_cross_tower_ops(devices)` returns; docs/cross_tower_ops.md gives the
+measurements behind the choice and when to pick another.
+"""
+
+from diststrat import _devices
+from diststrat.cross_tower_ops._all_reduce import AllReduceCrossTowerOps
+
+
+def choose_cross_tower_ops(devices):
+  """The all-reduce that suits `devices`: NCCL for several GPUs, collective ops otherwise.
+
+  Args:
+    devices: a device string or a list of them.
+
+  Returns:
+    An `AllReduceCrossTowerOps`.
+
+  Example:
+    >>> from diststrat.cross_tower_ops import choose_cross_tower_ops
+    >>> choose_cross_tower_ops(["/gpu:0", "/gpu:1"]).algorithm
+    'nccl'
+    >>> choose_cross_tower_ops(["/cpu:0", "/cpu:1"]).algorithm
+    'collective'
+  """
+  devices = _devices.canonicalize_all(devices)
+  gpus = [d for d in devices if _devices.device_type(d) == "GPU"]
+  if len(devices) > 1 and len(gpus) == len(devices):
+    return AllReduceCrossTowerOps("nccl")
+  return AllReduceCrossTowerOps("collective")
