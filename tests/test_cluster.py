@@ -173,19 +173,15 @@ def _variables_fn(strategy, ckpt_dir):
   plain_path = tf.train.Checkpoint(a=plain_a).save(os.path.join(ckpt_dir, "plain"))
   tf.train.Checkpoint(a=a).restore(plain_path).assert_consumed()
   results["from_plain"] = a.numpy().tolist()
-  try:
-    import keras  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    results["keras"] = None
-  else:
-    with strategy.scope():
-      layer = keras.layers.Dense(4)
-      layer.build((None, 3))
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_sum(layer(tf.ones([2, 3])))
-    grads = tape.gradient(loss, layer.trainable_variables)
-    results["keras"] = ([v.value.device for v in layer.weights],
-                        [g is not None for g in grads])
+  import keras  # pylint: disable=g-import-not-at-top
+  with strategy.scope():
+    layer = keras.layers.Dense(4)
+    layer.build((None, 3))
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(layer(tf.ones([2, 3])))
+  grads = tape.gradient(loss, layer.trainable_variables)
+  results["keras"] = ([v.value.device for v in layer.weights],
+                      [g is not None for g in grads])
   return results
 
 
@@ -484,8 +480,7 @@ def test_variables_live_on_ps_tasks_and_behave_as_tf_variables(tmp_path):
   assert "Variable 'traced' is created inside a tf.function from a value computed in " \
          "it. In cluster mode, create variables outside tf.function" in r["traced_error"]
   assert r["from_plain"] == [4.0, 5.0, 6.0]
-  if r["keras"] is not None:  # Keras 3 layers make shared variables too.
-    assert r["keras"] == ([ps0, ps1], [True, True])
+  assert r["keras"] == ([ps0, ps1], [True, True])  # Keras 3 layers make shared variables too.
 
 
 @pytest.mark.timeout(TIMEOUT)

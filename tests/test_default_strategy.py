@@ -103,7 +103,7 @@ def test_bad_aggregation(s):
 
 
 def test_keras_variable_stands_for_its_tf_variable(s):
-  keras = pytest.importorskip("keras")
+  import keras  # pylint: disable=g-import-not-at-top
   kv = keras.Variable(np.array([1.0, 2.0], np.float32))
   s.update(kv, lambda var: var.assign_add([1.0, 1.0]))
   np.testing.assert_allclose(np.asarray(kv.numpy()), [2.0, 3.0])

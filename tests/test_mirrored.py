@@ -322,7 +322,7 @@ def test_unwrap_group_read_var():
 
 
 def test_tf_module_and_keras_layer_variables():
-  keras = pytest.importorskip("keras")
+  import keras  # pylint: disable=g-import-not-at-top
   s = strategy(2)
 
   class Linear(tf.Module):

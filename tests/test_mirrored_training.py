@@ -1,5 +1,6 @@
 """Training by hand on N towers matches one device; checkpoints move across tower counts."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -8,7 +9,6 @@ import diststrat as ds
 from diststrat.values import MirroredVariable
 from conftest import CPUS
 
-keras = pytest.importorskip("keras")
 
 GLOBAL_BATCH = 16
 STEPS = 4

@@ -13,6 +13,7 @@ import random
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -21,7 +22,6 @@ import diststrat as ds
 from diststrat.pipeline import GPipe, estimate_costs, partition
 from conftest import CPUS
 
-keras = pytest.importorskip("keras")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH, FEATURES = 8, 6

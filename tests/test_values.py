@@ -137,7 +137,7 @@ def test_tf_nest_sees_components_of_wrapped_values_not_variables():
 
 
 def test_unwrap_accepts_keras_variables():
-  keras = pytest.importorskip("keras")
+  import keras  # pylint: disable=g-import-not-at-top
   s = ds.MirroredStrategy(CPUS[:2])
   with s.scope():
     layer = keras.layers.Dense(2)
