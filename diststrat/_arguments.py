@@ -69,3 +69,77 @@ def initial_value_tensor(kwargs):
   if isinstance(value, tf.Tensor) and kwargs.get("dtype") is None:
     return value
   return tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+
+
+def check_callable(method, name, value):
+  """Returns `value` if it is callable, else raises `TypeError` naming the argument.
+
+  Example:
+    >>> check_callable("update", "fn", 3)
+    Traceback (most recent call last):
+    ...
+    TypeError: update() takes a callable as fn, such as a function or a lambda. Received: fn=3 (int)
+  """
+  if not callable(value):
+    raise TypeError(f"{method}() takes a callable as {name}, such as a function or a "
+                    f"lambda. Received: {name}={value!r} ({type(value).__name__})")
+  return value
+
+
+def _is_numeric(dtype):
+  dtype = tf.as_dtype(dtype).base_dtype
+  return dtype.is_floating or dtype.is_integer or dtype.is_complex or dtype.is_bool
+
+
+def check_reducible(method, value, wrapped_type):
+  """Raises `TypeError` unless `value` is a value `method` can combine across towers.
+
+  Accepted: a wrapped value (`wrapped_type`: per-tower values, a mirrored value or
+  variable), a numeric tensor or variable, `tf.IndexedSlices`, a Python or numpy number
+  or numeric array. Strings and other objects are refused at the call.
+  """
+  if isinstance(value, (wrapped_type, tf.IndexedSlices)):
+    return value
+  if isinstance(value, (tf.Tensor, tf.Variable)):
+    dtype = value.dtype
+  elif isinstance(value, (bool, numbers.Number)):
+    return value
+  else:
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not hasattr(value, "shape"):
+      dtype = None
+  try:
+    numeric = dtype is not None and _is_numeric(dtype)
+  except TypeError:
+    numeric = False
+  if not numeric:
+    received = repr(value)
+    received = received if len(received) <= 80 else received[:77] + "..."
+    raise TypeError(
+        f"{method}() combines numbers across towers: it takes per-tower values (what "
+        "call_for_each_tower returns), a numeric tensor or variable, or a structure of "
+        f"them. Received: {received} ({type(value).__name__}"
+        f"{', dtype ' + tf.as_dtype(dtype).name if dtype is not None else ''}). Reduce "
+        "the tensors your towers compute, such as losses or gradients.")
+  return value
+
+
+def check_variable(method, value):
+  """Returns `value` as a TensorFlow variable (a Keras variable's own), else raises."""
+  variable = as_tf_variable(value)
+  if not isinstance(variable, tf.Variable):
+    raise TypeError(
+        f"{method}() takes a variable (tf.Variable, a Keras variable, or one created in "
+        f"the strategy's scope). Received: {value!r} ({type(value).__name__}). To compute "
+        "with a value, do it in the towers or in cross-tower code directly; update() is "
+        "for writing a variable on each device that holds it.")
+  return variable
+
+
+def check_int(name, value, minimum=None):
+  """Returns `value` if it is an int (not a bool) >= `minimum`, else raises `ValueError`."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (
+      minimum is not None and value < minimum):
+    at_least = "" if minimum is None else f" >= {minimum}"
+    raise ValueError(f"{name} must be an integer{at_least}. Received: {name}={value!r}")
+  return int(value)

@@ -303,6 +303,10 @@ class TowerContext:
           f"of {self._strategy!r} from outside that tower (the current context is "
           f"{describe_current_context()}). Call merge_call() on "
           "get_tower_context() from inside the tower's own function.")
+    if not callable(merge_fn):
+      raise TypeError("merge_call() takes a callable as merge_fn, called as "
+                      "merge_fn(strategy, *args, **kwargs). Received: "
+                      f"merge_fn={merge_fn!r} ({type(merge_fn).__name__})")
     return self._merge_call(merge_fn, args, kwargs)
 
   def _merge_call(self, merge_fn, args, kwargs):

@@ -5,6 +5,7 @@
 """
 
 import functools
+import threading
 
 from diststrat._tf import tf
 from diststrat import _tf_internal
@@ -95,3 +96,43 @@ def local_devices():
 def device_type(device):
   """The device type of a device string: "GPU", "CPU", ... (None if it names none)."""
   return tf.DeviceSpec.from_string(device).device_type
+
+
+_known = frozenset()  # Canonical names of the logical devices TensorFlow listed last.
+_known_lock = threading.Lock()
+
+
+def _list_devices():
+  return frozenset(canonicalize(d.name) for d in tf.config.list_logical_devices())
+
+
+def check_exist(devices, what="devices"):
+  """Returns `devices` (canonical names) if TensorFlow knows each of them, else raises.
+
+  TensorFlow runs an op placed on a device that does not exist on some other device
+  without saying so (soft placement), so a strategy given "/gpu:0" on a machine without
+  GPUs would run everything on the CPU while it reports GPUs. Devices of a cluster's
+  other tasks count once this process is connected to the cluster.
+
+  Args:
+    devices: canonical device strings.
+    what: how the error names the argument, such as "devices".
+
+  Raises:
+    ValueError: a device does not exist; the message lists the devices that do.
+  """
+  global _known
+  missing = [d for d in devices if d not in _known]
+  if missing:
+    with _known_lock:
+      _known = _list_devices()  # Devices appear as TensorFlow connects to clusters.
+    missing = [d for d in devices if d not in _known]
+  if missing:
+    shown = sorted(_known, key=lambda d: (d.rsplit(":", 2)[0], int(d.rsplit(":", 1)[1])))
+    raise ValueError(
+        f"{what} must be devices that exist in this process. Received: "
+        f"{', '.join(repr(d) for d in missing)}, which TensorFlow does not have; it has "
+        f"{shown}. Name one of those (a GPU needs a GPU build of TensorFlow and a visible "
+        "GPU; split a CPU into several with tf.config.set_logical_device_configuration "
+        "before TensorFlow starts).")
+  return tuple(devices)

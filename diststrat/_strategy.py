@@ -12,6 +12,7 @@ import threading
 import wrapt
 
 from diststrat._tf import tf
+from diststrat import _arguments
 from diststrat import _context
 from diststrat import _input
 from diststrat import _tf_internal
@@ -127,6 +128,7 @@ class DistributionStrategy:
     Returns:
       The towers' results regrouped (see `diststrat.values.regroup`).
     """
+    _arguments.check_callable("call_for_each_tower", "fn", fn)
     return self._call_for_each_tower(fn, args, kwargs)
 
   @cross_tower_method
@@ -159,8 +161,11 @@ class DistributionStrategy:
     aggregation = canonical_aggregation(aggregation)
     destinations = self._resolve_destinations(destinations)
     if not _wrapped.is_structure(value):
+      _arguments.check_reducible("reduce", value, _wrapped.DistributedValues)
       return self._reduce(aggregation, value, destinations)
     leaves = _wrapped.flatten(value)
+    for leaf in leaves:
+      _arguments.check_reducible("reduce", leaf, _wrapped.DistributedValues)
     reduced = self._batch_reduce(aggregation, [(leaf, destinations) for leaf in leaves]) \
         if leaves else []
     return _wrapped.pack_as(value, reduced)
@@ -181,6 +186,8 @@ class DistributionStrategy:
             f"{i} = {pair!r}")
       destinations = self._resolve_destinations(pair[1])
       leaves = _wrapped.flatten(pair[0]) if _wrapped.is_structure(pair[0]) else [pair[0]]
+      for leaf in leaves:
+        _arguments.check_reducible("batch_reduce", leaf, _wrapped.DistributedValues)
       values.append((pair[0], len(leaves)))
       pairs.extend((leaf, destinations) for leaf in leaves)
     reduced = self._batch_reduce(aggregation, pairs) if pairs else []
@@ -207,7 +214,9 @@ class DistributionStrategy:
     Returns:
       The results regrouped, with locality V(var).
     """
-    return self._update(as_tf_variable(var), fn, args, kwargs)
+    var = _arguments.check_variable("update", var)
+    _arguments.check_callable("update", "fn", fn)
+    return self._update(var, fn, args, kwargs)
 
   @cross_tower_method
   def update_non_slot(self, colocate_with, fn, *args, **kwargs):
@@ -216,6 +225,7 @@ class DistributionStrategy:
     Args:
       colocate_with: the result of `non_slot_devices(var_list)`.
     """
+    _arguments.check_callable("update_non_slot", "fn", fn)
     return self._update_non_slot(colocate_with, fn, args, kwargs)
 
   def non_slot_devices(self, var_list):
@@ -262,6 +272,7 @@ class DistributionStrategy:
   @cross_tower_method
   def distribute_dataset(self, dataset_fn):
     """Splits each global batch of `dataset_fn()` into per-tower batches."""
+    _arguments.check_callable("distribute_dataset", "dataset_fn", dataset_fn)
     return self._distribute_dataset(dataset_fn)
 
   @cross_tower_method
@@ -273,6 +284,7 @@ class DistributionStrategy:
     `value` may be a dict, list, tuple or namedtuple of per-tower values (nested to any
     depth): each leaf is gathered, and the result has the same structure.
     """
+    axis = _arguments.check_int("axis", axis)
     destinations = self._resolve_destinations(destinations)
     if not _wrapped.is_structure(value):
       return self._gather(value, axis, destinations)

@@ -41,15 +41,35 @@ def _check_addresses(job, addresses):
 
 def _check_address(job, address):
   """Raises ValueError unless `address` is 'host:port' with a port from 1 to 65535."""
-  host, port = None, None
+  if isinstance(address, str) and "://" in address:
+    raise ValueError(
+        f"cluster_spec[{job!r}] must hold plain 'host:port' addresses: TensorFlow's gRPC "
+        f"runtime adds the scheme itself. Received: {address!r}. Write "
+        f"{address.split('://', 1)[1]!r}.")
+  host, port = "", ""
   if isinstance(address, str):
     host, _, port = address.rpartition(":")
   if host.startswith("[") and host.endswith("]"):  # An IPv6 address: "[::1]:2222".
     host = host[1:-1]
   if not host or not port.isdigit() or not 0 < int(port) < 65536:
     raise ValueError(
-        f"cluster_spec[{job!r}] must hold 'host:port' addresses with a port from 1 to "
-        f"65535, such as '127.0.0.1:2222' or '[::1]:2222'. Received: {address!r}")
+        f"cluster_spec[{job!r}] must hold 'host:port' strings with a port from 1 to "
+        f"65535, such as '127.0.0.1:2222' or '[::1]:2222'. Received: {address!r}"
+        f"{'' if isinstance(address, str) else f' ({type(address).__name__})'}")
+
+
+def _check_unique_addresses(spec):
+  """Raises ValueError if two tasks of `spec` share an address (they would share a port)."""
+  seen = {}
+  for job, addresses in spec.items():
+    for i, address in enumerate(addresses):
+      task = f"/job:{job}/replica:0/task:{i}"
+      if address in seen:
+        raise ValueError(
+            f"Each task of cluster_spec needs its own address: two tasks cannot listen on "
+            f"one port. Received: {address!r} for both {seen[address]} and {task}. Give "
+            "each task its own port.")
+      seen[address] = task
 
 
 def normalize_cluster_spec(cluster_spec, task_type, task_id, with_ps=True):
@@ -72,6 +92,7 @@ def normalize_cluster_spec(cluster_spec, task_type, task_id, with_ps=True):
                      "'worker': ['host:port', ...]}. Received: "
                      f"cluster_spec={cluster_spec!r}")
   spec = {job: _check_addresses(job, addresses) for job, addresses in cluster_spec.items()}
+  _check_unique_addresses(spec)
   if not with_ps:
     if spec.get(PS_JOB):
       raise ValueError("MultiWorkerMirroredStrategy runs on worker tasks only, but "
@@ -89,7 +110,8 @@ def normalize_cluster_spec(cluster_spec, task_type, task_id, with_ps=True):
         f"task_type must name the job of this worker process, one of "
         f"{sorted(j for j in spec if j != PS_JOB)} (parameter servers run no model code). "
         f"Received: task_type={task_type!r}")
-  if not isinstance(task_id, int) or not 0 <= task_id < len(spec[task_type]):
+  if (isinstance(task_id, bool) or not isinstance(task_id, int)
+      or not 0 <= task_id < len(spec[task_type])):
     raise ValueError(f"task_id must be an index into cluster_spec[{task_type!r}], from 0 "
                      f"to {len(spec[task_type]) - 1}. Received: task_id={task_id!r}")
   return spec

@@ -43,7 +43,10 @@ class ReductionToOneDevice(_base.CrossTowerOps):
     return f"ReductionToOneDevice(reduce_to_device={self._reduce_to_device!r})"
 
   def _device_for(self, destinations):
-    return self._reduce_to_device or destinations[0]
+    if self._reduce_to_device is None:
+      return destinations[0]
+    # Checked at first use, not in the constructor: listing devices starts TensorFlow.
+    return _devices.check_exist((self._reduce_to_device,), "reduce_to_device")[0]
 
   def _reduce(self, aggregation, per_device_value, destinations):
     device = self._device_for(destinations)

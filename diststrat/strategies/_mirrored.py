@@ -97,14 +97,19 @@ class MirroredStrategy(DistributionStrategy):
   def __init__(self, devices=None, cross_tower_ops=None,
                tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT):
     super().__init__()
+    tower_timeout = _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)
     if devices is None:
       devices = _devices.local_devices()
     devices = _devices.canonicalize_all(devices)
     if not devices:
       raise ValueError("MirroredStrategy needs at least one device. Received: devices=[]")
-    self._devices = devices
+    self._devices = self._check_devices(devices)
     self._cross_tower_ops = cross_tower_ops
-    self._tower_timeout = float(tower_timeout)
+    self._tower_timeout = tower_timeout
+
+  def _check_devices(self, devices):
+    """`devices` if they all exist here (a subclass may check them later), else raises."""
+    return _devices.check_exist(devices, "devices")
 
   def __repr__(self):
     return f"MirroredStrategy(devices={list(self._devices)})"

@@ -64,6 +64,7 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
                tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT):
     collective_timeout = _arguments.seconds("collective_timeout", collective_timeout,
                                             allow_none=False)
+    _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)  # Before starting.
     if cluster_spec is None and os.environ.get("TF_CONFIG"):
       cluster_spec, task_type, task_id = _from_tf_config(os.environ["TF_CONFIG"])
     if cross_worker_ops is None:

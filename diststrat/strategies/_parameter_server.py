@@ -155,6 +155,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
                cache_reads_max_bytes=_read_cache.DEFAULT_MAX_BYTES):
     super().__init__()
     step_timeout = _arguments.seconds("step_timeout", step_timeout)
+    tower_timeout = _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)
     if cache_reads is None:
       cache_reads = cluster_spec is not None
     _check_cache_reads(cache_reads, in_cluster=cluster_spec is not None)
@@ -180,20 +181,23 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
       ps_devices = self._cluster.ps_devices
       if worker_devices is None:
         worker_devices = self._cluster.local_devices()
-      self._worker_devices_tuple = self._cluster.canonicalize(worker_devices)
+      self._worker_devices_tuple = _devices.check_exist(
+          self._cluster.canonicalize(worker_devices), "worker_devices")
     else:
       if worker_devices is None:
         worker_devices = _devices.local_devices()
       if ps_devices is None:
         ps_devices = (_devices.canonicalize(tf.config.list_logical_devices("CPU")[0].name),)
-      self._worker_devices_tuple = _devices.canonicalize_all(worker_devices)
+      self._worker_devices_tuple = _devices.check_exist(
+          _devices.canonicalize_all(worker_devices), "worker_devices")
+      ps_devices = _devices.check_exist(_devices.canonicalize_all(ps_devices), "ps_devices")
     self._ps_devices = _devices.canonicalize_all(ps_devices)
     if not self._worker_devices_tuple or not self._ps_devices:
       raise ValueError("ParameterServerStrategy needs at least one worker device and one "
                        f"parameter device. Received: worker_devices={worker_devices!r}, "
                        f"ps_devices={ps_devices!r}")
     self._placer = VariablePlacer(self._ps_devices, variable_placement)
-    self._tower_timeout = float(tower_timeout)
+    self._tower_timeout = tower_timeout
     # Reduces on the first destination: a variable's own device when reducing onto it.
     self._reducer = cross_tower_ops.ReductionToOneDevice()
 

@@ -368,10 +368,10 @@ def devices_of(destinations):
   if isinstance(destinations, DistributedValues):
     return destinations.devices
   if isinstance(destinations, (str, tf.DeviceSpec)):
-    return (_devices.canonicalize(destinations),)
+    return _devices.check_exist((_devices.canonicalize(destinations),), "destinations")
   if isinstance(destinations, (list, tuple)) and destinations and all(
       isinstance(d, (str, tf.DeviceSpec)) for d in destinations):
-    return _devices.canonicalize_all(destinations)
+    return _devices.check_exist(_devices.canonicalize_all(destinations), "destinations")
   device = getattr(destinations, "device", None)
   if isinstance(destinations, (tf.Variable, tf.Tensor)) and device:
     return (_devices.canonicalize(device),)

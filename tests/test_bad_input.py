@@ -1,0 +1,144 @@
+"""Bad input gets a clear error at the call: what was wrong, what was received, the fix.
+
+Each case here was once accepted silently (and ran something else than asked) or failed
+later with TensorFlow's or Python's own error. Cluster specs are checked before any
+connection is made, so these need no cluster.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from conftest import CPUS
+
+EXISTING = r"it has \['/job:localhost/replica:0/task:0/device:CPU:0'"
+
+
+@pytest.mark.parametrize("make, what, missing", [
+    (lambda: ds.MirroredStrategy(["/gpu:0", "/gpu:1"]), "devices", "GPU:0"),
+    (lambda: ds.MirroredStrategy(["/cpu:7"]), "devices", "CPU:7"),
+    (lambda: ds.ParameterServerStrategy(worker_devices=["/gpu:0"]), "worker_devices", "GPU:0"),
+    (lambda: ds.ParameterServerStrategy(ps_devices=["/cpu:9"]), "ps_devices", "CPU:9"),
+])
+def test_a_device_that_does_not_exist_is_refused(make, what, missing):
+  with pytest.raises(ValueError, match=rf"{what} must be devices that exist in this process. "
+                     rf"Received: '/job:localhost/replica:0/task:0/device:{missing}'.* which "
+                     rf"TensorFlow does not have; {EXISTING}"):
+    make()
+
+
+def test_reduce_onto_a_device_that_does_not_exist_is_refused():
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    per_tower = s.call_for_each_tower(lambda: tf.constant(1.0))
+    with pytest.raises(ValueError, match=r"destinations must be devices that exist .*GPU:3"):
+      s.reduce("sum", per_tower, destinations="/gpu:3")
+    with pytest.raises(ValueError, match=r"reduce_to_device must be devices that exist .*GPU:5"):
+      ds.cross_tower_ops.ReductionToOneDevice("/gpu:5").reduce("sum", per_tower, CPUS[0])
+
+
+@pytest.mark.parametrize("value, shown", [("hello", r"'hello' \(str\)"),
+                                          (object(), r"<object object at .*> \(object\)"),
+                                          (tf.constant("x"), r".*\(EagerTensor, dtype string\)"),
+                                          ({"a": "text"}, r"'text' \(str\)")])
+def test_reduce_refuses_what_is_not_numbers(value, shown):
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope(), pytest.raises(TypeError, match=r"reduce\(\) combines numbers across towers: "
+                                r"it takes per-tower values .* Received: " + shown):
+    s.reduce("sum", value)
+
+
+def test_reduce_still_takes_numbers_arrays_and_structures():
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    assert float(s.reduce("sum", 3.0).primary) == 3.0
+    assert s.reduce("mean", np.ones([2], np.float32)).primary.numpy().tolist() == [1.0, 1.0]
+    per_tower = s.call_for_each_tower(lambda: {"n": tf.constant(2)})
+    assert int(s.reduce("sum", per_tower)["n"].primary) == 4
+    with pytest.raises(TypeError, match=r"batch_reduce\(\) combines numbers"):
+      s.batch_reduce("sum", [("no", None)])
+
+
+def test_update_needs_a_variable_and_a_callable():
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    v = tf.Variable(1.0)
+    with pytest.raises(TypeError, match=r"update\(\) takes a variable \(tf.Variable, a Keras "
+                       r"variable, or one created in the strategy's scope\). Received: "
+                       r"<tf.Tensor.*\(EagerTensor\)"):
+      s.update(tf.constant(1.0), lambda c: c)
+    with pytest.raises(TypeError, match=r"update\(\) takes a callable as fn, such as a "
+                       r"function or a lambda. Received: fn=5 \(int\)"):
+      s.update(v, 5)
+    with pytest.raises(TypeError, match=r"update_non_slot\(\) takes a callable as fn"):
+      s.update_non_slot(s.non_slot_devices([v]), 1)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_non_callables_are_refused_at_the_call(mode):
+  s = ds.MirroredStrategy(CPUS[:2])
+
+  def run(fn):
+    return tf.function(fn)() if mode == "function" else fn()
+
+  with s.scope():
+    with pytest.raises(TypeError, match=r"call_for_each_tower\(\) takes a callable as fn.*"
+                       r"Received: fn=3 \(int\)"):
+      run(lambda: s.call_for_each_tower(3))
+    with pytest.raises(TypeError, match=r"merge_call\(\) takes a callable as merge_fn, called "
+                       r"as merge_fn\(strategy, \*args, \*\*kwargs\). Received: merge_fn=7"):
+      run(lambda: s.call_for_each_tower(lambda: ds.get_tower_context().merge_call(7)))
+    with pytest.raises(TypeError, match=r"distribute_dataset\(\) takes a callable as "
+                       r"dataset_fn"):
+      s.distribute_dataset(5)
+    per_tower = s.call_for_each_tower(lambda: tf.constant([1.0]))
+    with pytest.raises(ValueError, match=r"axis must be an integer. Received: axis='x'"):
+      s.gather(per_tower, axis="x")
+
+
+@pytest.mark.parametrize("value", [-5, 0, "soon", float("nan"), True])
+def test_timeouts_must_be_positive_numbers(value):
+  with pytest.raises(ValueError, match=r"tower_timeout must be a positive number of seconds. "
+                     rf"Received: tower_timeout={value!r}"):
+    ds.MirroredStrategy(CPUS[:1], tower_timeout=value)
+  with pytest.raises(ValueError, match=r"tower_timeout must be a positive number"):
+    ds.ParameterServerStrategy(tower_timeout=value)
+  with pytest.raises(ValueError, match=r"collective_timeout must be a positive number"):
+    ds.MultiWorkerMirroredStrategy(collective_timeout=value)
+
+
+def _ps(spec, **kwargs):
+  return ds.ParameterServerStrategy(cluster_spec=spec, step_timeout=2, **kwargs)
+
+
+@pytest.mark.parametrize("spec, kwargs, message", [
+    ({"ps": [2222], "worker": ["127.0.0.1:1"]}, {},
+     r"cluster_spec\['ps'\] must hold 'host:port' strings with a port from 1 to 65535, such "
+     r"as '127.0.0.1:2222' or '\[::1\]:2222'. Received: 2222 \(int\)"),
+    ({"ps": ["127.0.0.1:0"], "worker": ["127.0.0.1:1"]}, {}, r"Received: '127.0.0.1:0'"),
+    ({"ps": ["127.0.0.1:70000"], "worker": ["127.0.0.1:1"]}, {}, r"Received: '127.0.0.1:70000'"),
+    ({"ps": ["grpc://127.0.0.1:2"], "worker": ["127.0.0.1:1"]}, {},
+     r"cluster_spec\['ps'\] must hold plain 'host:port' addresses: TensorFlow's gRPC runtime "
+     r"adds the scheme itself. Received: 'grpc://127.0.0.1:2'. Write '127.0.0.1:2'."),
+    ({"ps": ["127.0.0.1:2", "127.0.0.1:2"], "worker": ["127.0.0.1:1"]}, {},
+     r"Each task of cluster_spec needs its own address: two tasks cannot listen on one port. "
+     r"Received: '127.0.0.1:2' for both /job:ps/replica:0/task:0 and /job:ps/replica:0/task:1"),
+    ({"ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:2"]}, {},
+     r"Received: '127.0.0.1:2' for both /job:ps/replica:0/task:0 and "
+     r"/job:worker/replica:0/task:0"),
+    ({"ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:1"]}, {"task_id": True},
+     r"task_id must be an index into cluster_spec\['worker'\], from 0 to 0. Received: "
+     r"task_id=True"),
+])
+def test_bad_cluster_specs_are_refused_before_connecting(spec, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    _ps(spec, **kwargs)
+
+
+def test_multi_worker_refuses_duplicate_workers_before_starting_a_server():
+  # Checked before TensorFlow is touched: this process (TensorFlow long initialized) would
+  # otherwise fail with "must be created before TensorFlow initializes".
+  with pytest.raises(ValueError, match=r"Received: '127.0.0.1:5' for both "
+                     r"/job:worker/replica:0/task:0 and /job:worker/replica:0/task:1"):
+    ds.MultiWorkerMirroredStrategy(cluster_spec={"worker": ["127.0.0.1:5", "127.0.0.1:5"]})
