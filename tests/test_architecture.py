@@ -44,7 +44,7 @@ LAYERS = [
                     "cross_tower_ops._choose", "cross_tower_ops._cross_worker",
                     "cross_tower_ops"]),
     ("strategy machinery", ["_strategy", "strategies._tower_threads",
-                            "_cluster_runtime._faults", "_cluster_runtime._watchdog",
+                            "_cluster_runtime._faults", "_cluster_runtime._exposure", "_cluster_runtime._watchdog",
                             "_cluster_runtime._read_cache",
                             "_cluster_runtime._shared_variables",
                             "_cluster_runtime._connection", "_cluster_runtime._worker_group",
@@ -55,7 +55,8 @@ LAYERS = [
                     "strategies._parameter_server", "strategies._multi_worker",
                     "strategies"]),
     ("integrations", ["_keras._variable_rules", "_keras._bridge", "_keras"]),
-    ("applications", ["cluster._local_cluster", "cluster", "cluster._child",
+    ("applications", ["cluster._isolation", "cluster._local_cluster", "cluster",
+                      "cluster._child",
                       "pipeline._partition", "pipeline._cost", "pipeline._schedule",
                       "pipeline._gpipe", "pipeline", "values", ""]),
 ]

@@ -17,6 +17,7 @@ from diststrat import _arguments
 from diststrat import _devices
 from diststrat import _tf_internal
 from diststrat import errors
+from diststrat._cluster_runtime import _exposure
 from diststrat._cluster_runtime import _shared_variables
 from diststrat._cluster_runtime import _watchdog
 
@@ -199,6 +200,7 @@ class ClusterConnection:
 
     try:
       self.guard.run(connect, f"connecting {self.local_task} to the cluster", probe=False)
+      _exposure.server_started(self.local_task, self.spec[self.task_type][self.task_id])
     except errors.ClusterError as e:
       self._check_ps_tasks_answer(timeout)  # Names a task that died or froze meanwhile.
       raise errors.ClusterError(

@@ -19,6 +19,7 @@ from diststrat._tf import tf
 from diststrat import _devices
 from diststrat import _tf_internal
 from diststrat import errors
+from diststrat._cluster_runtime import _exposure
 from diststrat._cluster_runtime import _watchdog
 
 _PROBE_TIMEOUT = 1.0
@@ -62,6 +63,7 @@ class WorkerGroup:
           "any op runs or devices are listed): it makes this process a task of the "
           "cluster, which TensorFlow allows only at start-up. Create the strategy first, "
           f"at the top of the program. TensorFlow said: {e}") from e
+    _exposure.server_started(self.local_task, cluster_spec[task_type][task_id])
     peers = [t for t in self.tasks if t != self.local_task]
     self.guard = _watchdog.StepGuard(peers, _probe_peer, None, name, role="Worker task",
                                      advice=_ADVICE, restarted_advice=_ADVICE,

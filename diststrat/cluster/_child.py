@@ -31,6 +31,7 @@ import types
 from multiprocessing import connection
 
 from diststrat._tf import tf
+from diststrat._cluster_runtime import _exposure
 from diststrat.strategies import MultiWorkerMirroredStrategy
 from diststrat.strategies import ParameterServerStrategy
 
@@ -83,6 +84,8 @@ def _serve_ps(conn, job):
   server = tf.distribute.Server(tf.train.ClusterSpec(job["cluster_spec"]),
                                 job_name=job["task_type"], task_index=job["task_id"],
                                 protocol="grpc", start=True)
+  _exposure.server_started(f"/job:ps/replica:0/task:{job['task_id']}",
+                           job["cluster_spec"]["ps"][job["task_id"]])
   _warm_up(job)
   conn.send(("ready", os.getpid()))
   try:

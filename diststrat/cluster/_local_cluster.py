@@ -17,9 +17,16 @@ pair (`_child.py`). Nothing outlives the cluster:
 
 Every wait is bounded: `start_timeout` for a server to come up, `result_timeout` for
 the workers' results, and a few seconds for each kill.
+
+Network: TensorFlow's servers listen on every interface and run any graph any client
+sends (docs/security.md). Where Linux allows it without privileges, every process of
+the cluster runs in a private network namespace (`_isolation.py`): the tasks reach each
+other on loopback, and nothing outside the cluster reaches them.
 """
 
 import atexit
+import ipaddress
+import logging
 import os
 import pickle
 import signal
@@ -32,6 +39,8 @@ import weakref
 from multiprocessing import connection
 
 from diststrat import errors
+from diststrat._cluster_runtime import _exposure
+from diststrat.cluster import _isolation
 
 DEFAULT_START_TIMEOUT = 120.0
 DEFAULT_RESULT_TIMEOUT = 600.0
@@ -42,6 +51,8 @@ _JOBS = ("ps", "worker")
 STRATEGIES = ("parameter_server", "multi_worker")
 
 _running_clusters = weakref.WeakSet()
+_logger = logging.getLogger("diststrat")
+_isolation_warned = []
 
 
 @atexit.register
@@ -64,6 +75,27 @@ def free_ports(count, host="127.0.0.1"):
       sock.close()
 
 
+def _check_host(host):
+  """`host` if this machine can resolve it, else `ValueError` naming it."""
+  if not isinstance(host, str) or not host:
+    raise ValueError(f"host must be a host name or address such as '127.0.0.1'. Received: "
+                     f"host={host!r}")
+  try:
+    socket.getaddrinfo(host, None)
+  except (socket.gaierror, UnicodeError) as e:
+    raise ValueError(f"host must be a name or address this machine resolves, such as "
+                     f"'127.0.0.1'. Received: host={host!r} ({e}).") from e
+  return host
+
+
+def _is_loopback(host):
+  try:
+    return all(ipaddress.ip_address(info[4][0]).is_loopback
+               for info in socket.getaddrinfo(host, None))
+  except (socket.gaierror, ValueError):
+    return False
+
+
 def task_name(task_type, task_id):
   return f"/job:{task_type}/replica:0/task:{task_id}"
 
@@ -83,12 +115,12 @@ def _describe_exit(returncode):
 class _Child:
   """One child process and the parent's end of the socket pair to it."""
 
-  def __init__(self, job, env, name):
+  def __init__(self, job, env, name, prologue=""):
     self.name = name
     parent_end, child_end = socket.socketpair()
     try:
       self.process = subprocess.Popen(
-          [sys.executable, "-c", _CHILD_MAIN, str(child_end.fileno())],
+          [sys.executable, "-c", prologue + _CHILD_MAIN, str(child_end.fileno())],
           pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL)
     except BaseException:
       parent_end.close()
@@ -244,7 +276,19 @@ class LocalCluster:
       many logical devices (its towers); None leaves TensorFlow's default (one).
     start_timeout: seconds a PS server may take to start.
     result_timeout: seconds `run_on_workers` waits for the workers' results.
-    host: the address the servers listen on (loopback by default).
+    host: the address the tasks use to reach each other (loopback by default). It is
+      not where the servers listen: TensorFlow's servers listen on every interface.
+    isolate: whether the cluster's processes run in a private network namespace that
+      nothing outside the cluster can reach (Linux, no privileges needed where the
+      kernel allows unprivileged user namespaces). None (the default): when `host` is a
+      loopback address and the system allows it, else with a warning that the servers
+      are reachable. True: required (`ClusterError` if the system does not allow it).
+      False: never; needed when a worker's code must reach the network (isolated
+      processes have only loopback). See docs/security.md.
+
+  Security: TensorFlow's gRPC servers run any graph any client sends, without
+  authentication. Without isolation, any process that can reach this machine's ports
+  can read and overwrite the cluster's variables and run code in its processes.
 
   Example::
 
@@ -262,7 +306,7 @@ class LocalCluster:
 
   def __init__(self, num_ps=1, num_workers=1, *, strategy_kwargs=None,
                cpus_per_worker=None, start_timeout=DEFAULT_START_TIMEOUT,
-               result_timeout=DEFAULT_RESULT_TIMEOUT, host="127.0.0.1"):
+               result_timeout=DEFAULT_RESULT_TIMEOUT, host="127.0.0.1", isolate=None):
     for name, value, least in (("num_ps", num_ps, 0), ("num_workers", num_workers, 1),
                                ("cpus_per_worker", cpus_per_worker or 1, 1)):
       if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -274,7 +318,17 @@ class LocalCluster:
     self._strategy_kwargs = dict(strategy_kwargs or {})
     self._start_timeout = float(start_timeout)
     self._result_timeout = float(result_timeout)
-    self._host = host
+    self._host = _check_host(host)
+    if isolate not in (None, True, False):
+      raise ValueError(f"isolate must be None (when possible), True or False. Received: "
+                       f"isolate={isolate!r}")
+    if isolate and not _is_loopback(self._host):
+      raise ValueError(
+          "isolate=True runs the cluster in a private network that has only loopback, so "
+          f"host must be a loopback address such as '127.0.0.1'. Received: host={host!r}. "
+          "Use host='127.0.0.1', or isolate=False to reach the tasks over the network.")
+    self._isolate = isolate
+    self._namespace = None
     self._processes_lock = threading.RLock()
     self._spec = None
     self._ps = []
@@ -291,6 +345,11 @@ class LocalCluster:
   def __exit__(self, exc_type, exc, tb):
     self.stop()
     return False
+
+  @property
+  def isolated(self):
+    """Whether the cluster's processes run in a private network namespace (once started)."""
+    return self._namespace is not None
 
   @property
   def cluster_spec(self):
@@ -316,6 +375,7 @@ class LocalCluster:
       if not self.num_ps:
         del self._spec["ps"]
     try:
+      self._namespace = self._private_network()
       self._ps = [self._start_ps(i) for i in range(self.num_ps)]
       deadline = time.monotonic() + self._start_timeout
       for task_id, child in enumerate(self._ps):
@@ -338,6 +398,8 @@ class LocalCluster:
     for child in children:
       if child is not None:
         child.stop()
+    if self._namespace is not None:
+      self._namespace.close()
     _running_clusters.discard(self)
 
   def pid(self, task_type, task_id):
@@ -508,12 +570,37 @@ class LocalCluster:
     env["PYTHONPATH"] = os.pathsep.join(paths)
     if kind == "ps":
       env["CUDA_VISIBLE_DEVICES"] = ""  # Variables live on the PS CPU; leave GPUs alone.
+    env[_exposure.ISOLATED_ENV] = "1" if self._namespace is not None else "0"
     return env
+
+  def _private_network(self):
+    """The private network namespace of the cluster's processes, or None (see `isolate`)."""
+    if self._isolate is False or not _is_loopback(self._host):
+      return None
+    try:
+      return _isolation.Namespace.create()
+    except OSError as e:
+      if self._isolate:
+        raise errors.ClusterError(
+            "LocalCluster(isolate=True) runs its processes in a private network namespace, "
+            f"which this system does not allow: {e}. Allow unprivileged user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1, or the container's seccomp "
+            "profile), or use isolate=None to run without it (docs/security.md).") from e
+      if not _isolation_warned:
+        _isolation_warned.append(True)
+        _logger.warning(
+            "LocalCluster could not give its processes a private network (%s), so its "
+            "TensorFlow servers are reachable by anyone who can reach this machine's "
+            "ports, and run any graph they send. Run on a machine whose ports are closed "
+            "to others, or allow unprivileged user namespaces; see docs/security.md.", e)
+      return None
 
   def _start_child(self, job, name):
     job = dict(job, cluster_spec=self._spec, parent_pid=os.getpid(),
                sys_path=[p or os.getcwd() for p in sys.path])
-    return _Child(job, self._environment(job["kind"]), name)
+    prologue = ("" if self._namespace is None
+                else _isolation.join_code(self._namespace.holder_pid))
+    return _Child(job, self._environment(job["kind"]), name, prologue)
 
   def _start_ps(self, task_id):
     job = {"kind": "ps", "task_type": "ps", "task_id": task_id,

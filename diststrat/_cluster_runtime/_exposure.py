@@ -1,0 +1,44 @@
+"""Saying, once per process, who can reach a TensorFlow server that diststrat starts.
+
+TensorFlow's gRPC server listens on every interface of the machine (`0.0.0.0:port`,
+whatever host the cluster spec names) and runs any graph any client sends, with no
+authentication: whoever reaches the port can read and overwrite every variable and run
+ops in the process. diststrat starts one in every cluster task (a parameter server, a
+parameter-server worker connecting, every `MultiWorkerMirroredStrategy` worker) and
+says so once per process. See docs/security.md.
+"""
+
+import logging
+import os
+import threading
+
+logger = logging.getLogger("diststrat")
+
+ISOLATED_ENV = "DISTSTRAT_PRIVATE_NETWORK"
+"""Set to "1" in the processes of a `LocalCluster` that run in its private network."""
+
+_warned = []
+_lock = threading.Lock()
+
+
+def server_started(task, address):
+  """Logs the warning for `task`'s server at `address` (host:port), once per process."""
+  with _lock:
+    if _warned:
+      return
+    _warned.append(task)
+  port = address.rsplit(":", 1)[-1]
+  if os.environ.get(ISOLATED_ENV) == "1":
+    logger.warning(
+        "diststrat started TensorFlow's gRPC server of %s on port %s. It runs any graph "
+        "any client sends, without authentication; here it is reachable only from this "
+        "LocalCluster's own processes (they share a private network namespace). See "
+        "docs/security.md.", task, port)
+    return
+  logger.warning(
+      "diststrat started TensorFlow's gRPC server of %s on port %s. TensorFlow listens on "
+      "every network interface (0.0.0.0:%s, whatever host the cluster spec names) and "
+      "runs any graph any client sends, without authentication: whoever can reach this "
+      "port can read and overwrite every variable and run code in this process. Run "
+      "clusters on a private network or behind a firewall that admits only the cluster's "
+      "hosts; see docs/security.md.", task, port, port)

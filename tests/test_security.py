@@ -1,0 +1,94 @@
+"""Who can reach a cluster's TensorFlow servers (docs/security.md).
+
+TensorFlow's gRPC server listens on every interface and runs any graph any client sends.
+A `LocalCluster` therefore runs its processes in a private network namespace where the
+system allows it: the tasks reach each other, and nothing outside the cluster reaches
+them. These tests ask a PS task for its status from this process, over loopback, as an
+outside client would: without isolation it answers.
+"""
+
+import logging
+
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from diststrat import _tf_internal
+from diststrat._cluster_runtime import _exposure
+from diststrat.cluster import _isolation
+
+TIMEOUT = 120
+pytestmark = pytest.mark.usefixtures("no_child_left")  # (conftest.py)
+
+
+def _count_fn(strategy, n):
+  with strategy.scope():
+    counter = tf.Variable(0.0, name="counter")
+  for _ in range(n):
+    counter.assign_add(1.0)
+  return float(counter.numpy())
+
+
+def _namespaces_allowed():
+  try:
+    _isolation.Namespace.create().close()
+    return True
+  except OSError:
+    return False
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_local_cluster_is_unreachable_from_outside_it():
+  assert _namespaces_allowed(), (
+      "this machine does not allow unprivileged network namespaces, which LocalCluster's "
+      "isolation needs (docs/security.md); the CI machine does")
+  with ds.cluster.LocalCluster(num_ps=1, num_workers=2, result_timeout=100) as cluster:
+    assert cluster.isolated
+    address = cluster.cluster_spec["ps"][0]
+    [outcome] = _tf_internal.probe_tf_server([address], timeout=5)
+    assert outcome is not None and outcome.startswith("cannot be reached"), outcome
+    # Inside, the cluster works: both workers share the PS's counter.
+    assert sorted(cluster.run_on_workers(_count_fn, n=5))[-1] == 10.0
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_without_isolation_any_local_process_reaches_the_ps():
+  with ds.cluster.LocalCluster(num_ps=1, num_workers=1, isolate=False,
+                               result_timeout=100) as cluster:
+    assert not cluster.isolated
+    address = cluster.cluster_spec["ps"][0]
+    assert _tf_internal.probe_tf_server([address], timeout=30) == [None]
+    assert cluster.run_on_workers(_count_fn, n=3) == [3.0]
+
+
+def test_bad_hosts_and_isolation_settings_are_refused():
+  with pytest.raises(ValueError, match=r"host must be a name or address this machine "
+                                       r"resolves, such as '127.0.0.1'. Received: "
+                                       r"host='not-a-host'"):
+    ds.cluster.LocalCluster(host="not-a-host")
+  with pytest.raises(ValueError, match=r"isolate=True runs the cluster in a private network "
+                                       r"that has only loopback, so host must be a loopback "
+                                       r"address"):
+    ds.cluster.LocalCluster(host="0.0.0.0", isolate=True)
+  with pytest.raises(ValueError, match=r"isolate must be None \(when possible\), True or "
+                                       r"False. Received: isolate='yes'"):
+    ds.cluster.LocalCluster(isolate="yes")
+
+
+def test_starting_a_server_warns_once_per_process(monkeypatch, caplog):
+  monkeypatch.setattr(_exposure, "_warned", [])
+  monkeypatch.delenv(_exposure.ISOLATED_ENV, raising=False)
+  with caplog.at_level(logging.WARNING, logger="diststrat"):
+    _exposure.server_started("/job:ps/replica:0/task:0", "127.0.0.1:2222")
+    _exposure.server_started("/job:ps/replica:0/task:1", "127.0.0.1:2223")
+  [record] = caplog.records
+  assert ("TensorFlow listens on every network interface (0.0.0.0:2222, whatever host the "
+          "cluster spec names) and runs any graph any client sends, without "
+          "authentication") in record.getMessage()
+  assert "docs/security.md" in record.getMessage()
+  caplog.clear()
+  monkeypatch.setattr(_exposure, "_warned", [])
+  monkeypatch.setenv(_exposure.ISOLATED_ENV, "1")
+  with caplog.at_level(logging.WARNING, logger="diststrat"):
+    _exposure.server_started("/job:ps/replica:0/task:0", "127.0.0.1:2222")
+  assert "reachable only from this LocalCluster's own processes" in caplog.records[0].getMessage()
