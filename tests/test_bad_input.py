@@ -114,7 +114,7 @@ def _ps(spec, **kwargs):
 
 @pytest.mark.parametrize("spec, kwargs, message", [
     ({"ps": [2222], "worker": ["127.0.0.1:1"]}, {},
-     r"cluster_spec\['ps'\] must hold 'host:port' strings with a port from 1 to 65535, such "
+     r"cluster_spec\['ps'\] must hold 'host:port' addresses with a port from 1 to 65535, such "
      r"as '127.0.0.1:2222' or '\[::1\]:2222'. Received: 2222 \(int\)"),
     ({"ps": ["127.0.0.1:0"], "worker": ["127.0.0.1:1"]}, {}, r"Received: '127.0.0.1:0'"),
     ({"ps": ["127.0.0.1:70000"], "worker": ["127.0.0.1:1"]}, {}, r"Received: '127.0.0.1:70000'"),

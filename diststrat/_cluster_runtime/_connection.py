@@ -54,7 +54,7 @@ def _check_address(job, address):
     host = host[1:-1]
   if not host or not port.isdigit() or not 0 < int(port) < 65536:
     raise ValueError(
-        f"cluster_spec[{job!r}] must hold 'host:port' strings with a port from 1 to "
+        f"cluster_spec[{job!r}] must hold 'host:port' addresses with a port from 1 to "
         f"65535, such as '127.0.0.1:2222' or '[::1]:2222'. Received: {address!r}"
         f"{'' if isinstance(address, str) else f' ({type(address).__name__})'}")
 
