@@ -688,3 +688,11 @@ def test_collectives_are_v2_in_a_while_loop_and_v1_elsewhere():
 
   assert "CollectiveReduceV2" in op_types(inner) and "CollectiveReduce" not in op_types(inner)
   assert "CollectiveReduce" in op_types(once) and "CollectiveReduceV2" not in op_types(once)
+
+
+def test_mirrored_strategy_uses_the_one_chooser():
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  for devices in (CPUS[:1], CPUS[:2], CPUS):
+    chosen = ds.MirroredStrategy(devices).cross_tower_ops
+    expected = choose_cross_tower_ops(devices)
+    assert (type(chosen), chosen.algorithm) == (type(expected), expected.algorithm)

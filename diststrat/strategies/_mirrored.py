@@ -53,20 +53,6 @@ def check_variable_kwargs(kwargs):
         f"aggregation={aggregation!r}, name={kwargs.get('name')!r}")
 
 
-def default_cross_tower_ops(devices):
-  """The reduction a MirroredStrategy uses when none is given.
-
-  GPUs: `choose_cross_tower_ops(devices)` (NCCL for several). Devices that are not all
-  GPUs: the "naive" all-reduce, which measured fastest on logical CPU devices (about 6x
-  "collective", 2x reduction to one device; see docs/cross_tower_ops.md).
-  """
-  if all(_devices.device_type(d) == "GPU" for d in devices):
-    return cross_tower_ops.choose_cross_tower_ops(devices)
-  if len(devices) > 1:
-    return cross_tower_ops.AllReduceCrossTowerOps("naive")
-  return cross_tower_ops.ReductionToOneDevice()
-
-
 class MirroredStrategy(DistributionStrategy):
   """Data parallelism on the devices of one machine, variables mirrored on each.
 
@@ -79,8 +65,8 @@ class MirroredStrategy(DistributionStrategy):
     devices: the devices to run towers on. Default: all local GPUs, else all local CPU
       devices.
     cross_tower_ops: a `diststrat.cross_tower_ops.CrossTowerOps` that does reductions.
-      Default: `choose_cross_tower_ops(devices)` on GPUs, the "naive" all-reduce on
-      other devices (see `default_cross_tower_ops`).
+      Default: `choose_cross_tower_ops(devices)`: NCCL on several GPUs, collective ops
+      otherwise (docs/cross_tower_ops.md says when to pick another).
     tower_timeout: seconds a tower may run between two pauses (merge_call or return)
       before the call fails with an error naming the tower; a guard against hangs.
 
@@ -121,7 +107,7 @@ class MirroredStrategy(DistributionStrategy):
 
   def _get_cross_tower_ops(self):
     if self._cross_tower_ops is None:
-      self._cross_tower_ops = default_cross_tower_ops(self._devices)
+      self._cross_tower_ops = cross_tower_ops.choose_cross_tower_ops(self._devices)
     return self._cross_tower_ops
 
   # --- variables ---
