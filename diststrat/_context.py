@@ -134,7 +134,7 @@ def cross_tower_mode(strategy):
   return enter_mode(strategy, None)
 
 
-def get_tower_context():
+def get_tower_context() -> "TowerContext | None":
   """Returns the current `TowerContext`, or None in a cross-tower context.
 
   Outside of any strategy this is the default tower context (tower 0 of 1).
@@ -147,7 +147,7 @@ def get_tower_context():
   return current_mode().tower_context
 
 
-def get_cross_tower_context():
+def get_cross_tower_context() -> typing.Any:
   """Returns the strategy whose cross-tower context this is, or None in a tower context.
 
   Example:
@@ -159,7 +159,7 @@ def get_cross_tower_context():
   return mode.strategy if mode.tower_context is None else None
 
 
-def get_distribution_strategy():
+def get_distribution_strategy() -> typing.Any:
   """Returns the strategy in effect: the one entered, else the default strategy.
 
   Example:
@@ -170,7 +170,7 @@ def get_distribution_strategy():
   return current_mode().strategy
 
 
-def has_distribution_strategy():
+def has_distribution_strategy() -> bool:
   """True when a strategy other than the default one is in effect."""
   return current_mode().strategy is not default_strategy()
 
@@ -183,7 +183,7 @@ def is_default_strategy(strategy):
 # --- the device being updated inside update() / update_non_slot() ---
 
 
-def get_update_device():
+def get_update_device() -> str | None:
   """The device whose copy `update()`/`update_non_slot()` is writing, else None."""
   stack = getattr(_state, "update_devices", None)
   return stack[-1] if stack else None
@@ -226,19 +226,19 @@ class TowerContext:
     self._batch_share = batch_share
 
   @property
-  def distribution_strategy(self):
+  def distribution_strategy(self) -> typing.Any:
     return self._strategy
 
   @property
-  def tower_id(self):
+  def tower_id(self) -> int:
     return self._tower_id
 
   @property
-  def num_towers(self):
+  def num_towers(self) -> int:
     return self._num_towers
 
   @property
-  def is_single_tower(self):
+  def is_single_tower(self) -> bool:
     return self._num_towers == 1
 
   @property
@@ -272,14 +272,15 @@ class TowerContext:
     return None
 
   @property
-  def device(self):
+  def device(self) -> str | None:
     """The tower's device (for the default tower context: the current device scope)."""
     if self._device is None:
       return _devices.current_device()
     return self._device
 
   @tf.autograph.experimental.do_not_convert
-  def merge_call(self, merge_fn, *args, **kwargs):
+  def merge_call(self, merge_fn: typing.Callable[..., typing.Any], *args: typing.Any,
+                 **kwargs: typing.Any) -> typing.Any:
     """Runs `merge_fn(strategy, *args, **kwargs)` once, in cross-tower context.
 
     Every tower pauses here. `merge_fn` sees each argument as the towers' values

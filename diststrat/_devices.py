@@ -15,7 +15,7 @@ _LOCAL_DEFAULTS = tf.DeviceSpec(job="localhost", replica=0, task=0, device_type=
 
 
 @functools.lru_cache(maxsize=4096)
-def canonicalize(device, default=None):
+def canonicalize(device: str | tf.DeviceSpec, default: str | None = None) -> str:
   """Returns the full name of `device`: `/job:J/replica:R/task:T/device:TYPE:N`.
 
   Missing parts come from `default` (a device string), then from the local process
@@ -81,7 +81,7 @@ def canonicalize_all(devices, default=None):
   return result
 
 
-def local_devices():
+def local_devices() -> tuple[str, ...]:
   """All local GPUs, else all local CPU devices (logical devices, canonical names).
 
   Example:

@@ -1,5 +1,7 @@
 """Input splitting: global batches from a tf.data pipeline become per-tower batches."""
 
+from typing import Sequence
+
 from diststrat._tf import tf
 from diststrat.values import _wrapped
 
@@ -27,7 +29,8 @@ class PerDeviceDataset:
     [[0, 1, 2], [3, 4, 5]]
   """
 
-  def __init__(self, dataset, devices=None, prefetch=True, first_tower=0, num_towers=None):
+  def __init__(self, dataset: tf.data.Dataset, devices: Sequence[str] | None = None,
+               prefetch: bool = True, first_tower: int = 0, num_towers: int | None = None):
     """See the class docstring.
 
     Args:

@@ -8,6 +8,7 @@ docs/write_your_own_strategy.md for a complete example.
 
 import contextlib
 import threading
+from typing import Any, Callable, Sequence, Union
 
 import wrapt
 
@@ -20,6 +21,11 @@ from diststrat import errors
 from diststrat._arguments import as_tf_variable
 from diststrat._arguments import canonical_aggregation
 from diststrat.values import _wrapped
+
+Aggregation = Union[str, tf.VariableAggregation]
+""""sum", "mean", or `tf.VariableAggregation.SUM`/`MEAN`."""
+Destinations = Any
+"""None, a device string or a list of them, a variable, or a wrapped value."""
 
 def _needs_cross_tower(wrapped, instance, args, kwargs):
   with instance._cross_tower_guard(wrapped.__name__):  # pylint: disable=protected-access
@@ -102,7 +108,7 @@ class DistributionStrategy:
   # Shared behaviour: context checks and argument checks, then a hook.
   # ---------------------------------------------------------------------------------
 
-  def scope(self):
+  def scope(self) -> contextlib.AbstractContextManager:
     """Returns a context manager: the cross-tower context of this strategy.
 
     Variables created inside are made by this strategy's policy (mirrored copies for
@@ -119,7 +125,7 @@ class DistributionStrategy:
     return _StrategyScope(self)
 
   @cross_tower_method
-  def call_for_each_tower(self, fn, *args, **kwargs):
+  def call_for_each_tower(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Runs `fn(*args, **kwargs)` once per tower, each in that tower's context.
 
     Wrapped arguments (`PerDevice`, `Mirrored`, distributed variables) are unwrapped:
@@ -132,7 +138,8 @@ class DistributionStrategy:
     return self._call_for_each_tower(fn, args, kwargs)
 
   @cross_tower_method
-  def reduce(self, aggregation, value, destinations=None):
+  def reduce(self, aggregation: Aggregation, value: Any,
+             destinations: Destinations = None) -> Any:
     """Combines a per-tower value (or a nested structure of them) across towers.
 
     Args:
@@ -171,7 +178,8 @@ class DistributionStrategy:
     return _wrapped.pack_as(value, reduced)
 
   @cross_tower_method
-  def batch_reduce(self, aggregation, value_destination_pairs):
+  def batch_reduce(self, aggregation: Aggregation,
+                   value_destination_pairs: Sequence[tuple[Any, Destinations]]) -> list[Any]:
     """Like `reduce` for each (value, destinations) pair, done together (faster).
 
     A pair's value may be a nested structure, as in `reduce`; its result then has the
@@ -200,12 +208,12 @@ class DistributionStrategy:
     return results
 
   @cross_tower_method
-  def broadcast(self, tensor, destinations=None):
+  def broadcast(self, tensor: Any, destinations: Destinations = None) -> Any:
     """Copies `tensor` to `destinations` (default: the worker devices): a mirrored value."""
     return self._broadcast(tensor, self._resolve_destinations(destinations))
 
   @cross_tower_method
-  def update(self, var, fn, *args, **kwargs):
+  def update(self, var: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Runs `fn(component, *args, **kwargs)` on each device that holds `var`.
 
     Wrapped arguments are unwrapped to the component on the device being updated, and
@@ -219,7 +227,8 @@ class DistributionStrategy:
     return self._update(var, fn, args, kwargs)
 
   @cross_tower_method
-  def update_non_slot(self, colocate_with, fn, *args, **kwargs):
+  def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any], *args: Any,
+                      **kwargs: Any) -> Any:
     """Runs `fn(*args, **kwargs)` on each of the non-slot devices `colocate_with`.
 
     Args:
@@ -228,14 +237,14 @@ class DistributionStrategy:
     _arguments.check_callable("update_non_slot", "fn", fn)
     return self._update_non_slot(colocate_with, fn, args, kwargs)
 
-  def non_slot_devices(self, var_list):
+  def non_slot_devices(self, var_list: Sequence[Any]) -> Any:
     """A consistent choice of devices for variables that belong to no one variable."""
     var_list = [as_tf_variable(v) for v in var_list]
     if not var_list:
       raise ValueError("non_slot_devices() needs at least one variable. Received: var_list=[]")
     return self._non_slot_devices(var_list)
 
-  def colocate_vars_with(self, var):
+  def colocate_vars_with(self, var: Any) -> contextlib.AbstractContextManager:
     """Context manager: variables created inside it live where `var` lives.
 
     Must be used inside `scope()`.
@@ -248,17 +257,17 @@ class DistributionStrategy:
     return self._colocate_vars_with(as_tf_variable(var))
 
   @cross_tower_method
-  def read_var(self, v):
+  def read_var(self, v: Any) -> Any:
     """The value of variable `v`; a tower-local variable gives its aggregated value."""
     return self._read_var(as_tf_variable(v))
 
   @cross_tower_method
-  def unwrap(self, value):
+  def unwrap(self, value: Any) -> list[Any]:
     """The per-device components of `value`, as a list (`[value]` for a plain value)."""
     return self._unwrap(as_tf_variable(value))
 
   @cross_tower_method
-  def group(self, value, name=None):
+  def group(self, value: Any, name: str | None = None) -> Any:
     """One op that runs every component of `value` (a no-op in eager mode)."""
     components = []
     for leaf in tf.nest.flatten(value, expand_composites=False):
@@ -270,13 +279,13 @@ class DistributionStrategy:
     return tf.group(*components, name=name)
 
   @cross_tower_method
-  def distribute_dataset(self, dataset_fn):
+  def distribute_dataset(self, dataset_fn: Callable[[], Any]) -> _input.PerDeviceDataset:
     """Splits each global batch of `dataset_fn()` into per-tower batches."""
     _arguments.check_callable("distribute_dataset", "dataset_fn", dataset_fn)
     return self._distribute_dataset(dataset_fn)
 
   @cross_tower_method
-  def gather(self, value, axis=0, destinations=None):
+  def gather(self, value: Any, axis: int = 0, destinations: Destinations = None) -> Any:
     """Concatenates the towers' values along `axis`, in tower order.
 
     The result lives on the first worker device, or is mirrored to `destinations`.
@@ -292,25 +301,25 @@ class DistributionStrategy:
                                     for leaf in _wrapped.flatten(value)])
 
   @property
-  def num_towers(self):
+  def num_towers(self) -> int:
     return self._num_towers()
 
   @property
-  def is_single_tower(self):
+  def is_single_tower(self) -> bool:
     return self._num_towers() == 1
 
   @property
-  def worker_devices(self):
+  def worker_devices(self) -> tuple[str, ...]:
     """The devices the towers run on, in tower order."""
     return self._worker_devices()
 
   @property
-  def parameter_devices(self):
+  def parameter_devices(self) -> tuple[str, ...]:
     """The devices variables live on."""
     return self._parameter_devices()
 
   @property
-  def worker_device_index(self):
+  def worker_device_index(self) -> Any:
     """A wrapped value that gives each tower its index into `worker_devices`."""
     with self._cross_tower_guard("worker_device_index"):
       return self._worker_device_index()

@@ -137,7 +137,8 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
     [2.0, 2.0]
   """
 
-  def __init__(self, algorithm="collective", num_packs=1, timeout=_DEFAULT_TIMEOUT):
+  def __init__(self, algorithm: str = "collective", num_packs: int = 1,
+               timeout: float | None = _DEFAULT_TIMEOUT):
     super().__init__()
     if algorithm not in _ALGORITHMS:
       raise ValueError(f"algorithm must be one of {', '.join(map(repr, _ALGORITHMS))}. "
@@ -151,15 +152,15 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
     self._fallback = ReductionToOneDevice()
 
   @property
-  def algorithm(self):
+  def algorithm(self) -> str:
     return self._algorithm
 
   @property
-  def num_packs(self):
+  def num_packs(self) -> int:
     return self._num_packs
 
   @property
-  def timeout(self):
+  def timeout(self) -> float | None:
     """Seconds a collective waits for its peers, or None (forever)."""
     return self._timeout
 

@@ -12,6 +12,8 @@ A new algorithm is a subclass that implements `_reduce` (and, to do a batch toge
 `_batch_reduce`); see docs/cross_tower_ops.md.
 """
 
+from typing import Any, Sequence
+
 from diststrat._tf import tf
 from diststrat import _devices
 from diststrat._arguments import as_tf_variable
@@ -90,7 +92,7 @@ class CrossTowerOps:
 
   # Shared behaviour:
 
-  def reduce(self, aggregation, per_device_value, destinations=None):
+  def reduce(self, aggregation: Any, per_device_value: Any, destinations: Any = None) -> Any:
     """Reduces the components of `per_device_value` and mirrors the result.
 
     Args:
@@ -121,7 +123,8 @@ class CrossTowerOps:
     destinations = _destination_devices(destinations, value.devices)
     return self._run("reduce", aggregation, [(value, destinations)])[0]
 
-  def batch_reduce(self, aggregation, value_destination_pairs):
+  def batch_reduce(self, aggregation: Any,
+                   value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
     """Like `reduce` on each `(value, destinations)` pair, all in one launch.
 
     Args:
@@ -158,7 +161,7 @@ class CrossTowerOps:
       return []
     return self._run("batch_reduce", aggregation, items)
 
-  def broadcast(self, tensor, destinations):
+  def broadcast(self, tensor: Any, destinations: Any) -> Any:
     """Copies `tensor` to every destination device.
 
     Args:

@@ -5,11 +5,13 @@ what `choose_cross_tower_ops(devices)` returns; docs/cross_tower_ops.md gives th
 measurements behind the choice and when to pick another.
 """
 
+from typing import Sequence
+
 from diststrat import _devices
 from diststrat.cross_tower_ops._all_reduce import AllReduceCrossTowerOps
 
 
-def choose_cross_tower_ops(devices):
+def choose_cross_tower_ops(devices: str | Sequence[str]) -> AllReduceCrossTowerOps:
   """The all-reduce that suits `devices`: NCCL for several GPUs, collective ops otherwise.
 
   Args:

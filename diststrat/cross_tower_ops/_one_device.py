@@ -1,5 +1,7 @@
 """`ReductionToOneDevice`: gather every value on one device, reduce there, copy back."""
 
+from typing import Any, Callable
+
 from diststrat._tf import tf
 from diststrat import _devices
 from diststrat.cross_tower_ops import _base
@@ -25,7 +27,8 @@ class ReductionToOneDevice(_base.CrossTowerOps):
     (<tf.Tensor: shape=(), dtype=float32, numpy=4.0>,)
   """
 
-  def __init__(self, reduce_to_device=None, accumulation_fn=tf.math.add_n):
+  def __init__(self, reduce_to_device: str | None = None,
+               accumulation_fn: Callable[[list[Any]], Any] = tf.math.add_n):
     super().__init__()
     if not callable(accumulation_fn):
       raise ValueError("accumulation_fn must be a callable that adds a list of tensors, "
@@ -35,7 +38,7 @@ class ReductionToOneDevice(_base.CrossTowerOps):
     self._accumulation_fn = accumulation_fn
 
   @property
-  def reduce_to_device(self):
+  def reduce_to_device(self) -> str | None:
     """The device that reduces, or None for the first destination of each value."""
     return self._reduce_to_device
 

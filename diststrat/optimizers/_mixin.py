@@ -1,5 +1,7 @@
 """`DistributedOptimizerMixin`: the cross-tower half of training with an optimizer."""
 
+from typing import Any
+
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import errors
@@ -41,7 +43,8 @@ class DistributedOptimizerMixin:
     return 1.0 / num_towers
 
   @tf.autograph.experimental.do_not_convert
-  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+  def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
+                      name: str | None = None) -> Any:
     """From a tower: merges the towers' gradients and applies them (see the class doc).
 
     Returns:

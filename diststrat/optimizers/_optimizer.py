@@ -2,6 +2,8 @@
 
 import contextlib
 
+from typing import Any, Callable, Sequence
+
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat._arguments import as_tf_variable
@@ -61,7 +63,7 @@ class Optimizer(tf.Module):
           return var.scatter_sub(tf.IndexedSlices(self._lr * tf.sign(grad.values), grad.indices))
   """
 
-  def __init__(self, name, loss_reduction="mean"):
+  def __init__(self, name: str, loss_reduction: str = "mean"):
     super().__init__(name=name)
     if loss_reduction not in ("mean", "sum"):
       raise ValueError("loss_reduction must be 'mean' or 'sum'. Received: "
@@ -103,7 +105,8 @@ class Optimizer(tf.Module):
     return 1.0
 
   @tf.autograph.experimental.do_not_convert
-  def compute_gradients(self, loss, var_list=None, tape=None):
+  def compute_gradients(self, loss: Any, var_list: Sequence[Any] | None = None,
+                        tape: tf.GradientTape | None = None) -> list[tuple[Any, Any]]:
     """Returns a list of (gradient, variable) pairs, without the None gradients.
 
     Args:
@@ -136,7 +139,8 @@ class Optimizer(tf.Module):
     return [(g, v) for g, v in zip(grads, var_list) if g is not None]
 
   @tf.autograph.experimental.do_not_convert
-  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+  def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
+                      name: str | None = None) -> Any:
     """Applies gradients to variables; increments `global_step` by one if given.
 
     Returns:
@@ -166,7 +170,8 @@ class Optimizer(tf.Module):
                        _context.get_distribution_strategy())
 
   @tf.autograph.experimental.do_not_convert
-  def minimize(self, loss, var_list=None, global_step=None, name=None, tape=None):
+  def minimize(self, loss: Any, var_list: Sequence[Any] | None = None, global_step: Any = None,
+               name: str | None = None, tape: tf.GradientTape | None = None) -> Any:
     """`compute_gradients` then `apply_gradients`; returns what `apply_gradients` returns."""
     grads_and_vars = self.compute_gradients(loss, var_list=var_list, tape=tape)
     return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
@@ -242,18 +247,18 @@ class Optimizer(tf.Module):
     return _local(getattr(self, name))
 
   @tf.autograph.experimental.do_not_convert
-  def get_slot(self, var, name):
+  def get_slot(self, var: Any, name: str) -> Any:
     """The slot `name` of `var`, or None. Inside `update()`, the update device's copy."""
     entry = self._state.slots.get(name, {}).get(id(state_owner(var)))
     if entry is None:
       return None
     return _local(entry[1])
 
-  def get_slot_names(self):
+  def get_slot_names(self) -> list[str]:
     """The names of the slots this optimizer created, sorted."""
     return sorted(self._state.slots)
 
-  def variables(self):
+  def variables(self) -> list[Any]:
     """Every variable of the optimizer's state: slots, then non-slot variables."""
     result = []
     for name in sorted(self._state.slots):

@@ -1,5 +1,7 @@
 """The optimizers diststrat ships: plain SGD, momentum (optionally Nesterov), and Adam."""
 
+from typing import Any
+
 from diststrat._tf import tf
 from diststrat.optimizers._mixin import DistributedOptimizerMixin
 from diststrat.optimizers._optimizer import Optimizer
@@ -34,7 +36,8 @@ class GradientDescent(_HyperMixin, DistributedOptimizerMixin, Optimizer):
     0.8
   """
 
-  def __init__(self, learning_rate, loss_reduction="mean", name="GradientDescent"):
+  def __init__(self, learning_rate: Any, loss_reduction: str = "mean",
+               name: str = "GradientDescent"):
     super().__init__(name, loss_reduction=loss_reduction)
     self._learning_rate = learning_rate
 
@@ -55,8 +58,8 @@ class Momentum(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   accumulator is the slot `"momentum"`.
   """
 
-  def __init__(self, learning_rate, momentum, use_nesterov=False, loss_reduction="mean",
-               name="Momentum"):
+  def __init__(self, learning_rate: Any, momentum: Any, use_nesterov: bool = False,
+               loss_reduction: str = "mean", name: str = "Momentum"):
     super().__init__(name, loss_reduction=loss_reduction)
     self._learning_rate = learning_rate
     self._momentum = momentum
@@ -94,8 +97,8 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   adds to the rows it names, as the dense update would with zero rows.
   """
 
-  def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
-               loss_reduction="mean", name="Adam"):
+  def __init__(self, learning_rate: Any = 0.001, beta1: float = 0.9, beta2: float = 0.999,
+               epsilon: float = 1e-8, loss_reduction: str = "mean", name: str = "Adam"):
     super().__init__(name, loss_reduction=loss_reduction)
     self._learning_rate = learning_rate
     self._beta1 = beta1

@@ -23,6 +23,7 @@ layer that cannot take the previous layer's output fails here, before anything r
 
 import inspect
 import re
+from typing import Any
 
 from diststrat._tf import tf
 
@@ -79,7 +80,7 @@ def accepts_training(fn):
       p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
-def estimate_costs(layers, input_shape, dtype="float32"):
+def estimate_costs(layers: Any, input_shape: Any, dtype: Any = "float32") -> list[float]:
   """Estimates each layer's cost in FLOPs for one input of `input_shape`.
 
   Each layer is traced alone in a scratch graph (a clone for Keras layers, so nothing

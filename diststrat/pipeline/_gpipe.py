@@ -15,6 +15,8 @@ stage-s device, so reads take the tower's own copy there.
 import contextlib
 import numbers
 
+from typing import Any, Sequence
+
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _devices
@@ -66,8 +68,9 @@ class GPipe(tf.Module):
     (6, [3])
   """
 
-  def __init__(self, layers, devices=None, num_micro_batches=1, recompute=False,
-               partition="cost", name="gpipe"):
+  def __init__(self, layers: Any, devices: Any = None, num_micro_batches: int = 1,
+               recompute: bool = False, partition: str | Sequence[int] = "cost",
+               name: str = "gpipe"):
     super().__init__(name=name)
     self._layers = _layer_list(layers)
     self._pipelines = _resolve_devices(devices)
@@ -155,7 +158,7 @@ class GPipe(tf.Module):
   # --- building ---
 
   @tf.autograph.experimental.do_not_convert
-  def build(self, input_shape, dtype="float32"):
+  def build(self, input_shape: Any, dtype: Any = "float32") -> None:
     """Partitions the layers and builds each stage's layers on its device.
 
     Called by the first call; call it yourself to see `stages` and `stage_costs` first,

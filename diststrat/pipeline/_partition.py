@@ -7,11 +7,12 @@ finds that minimum exactly; lingvo's greedy histogram cut only approximates it.
 
 import math
 import numbers
+from typing import Sequence
 
 import numpy as np
 
 
-def partition(costs, num_stages):
+def partition(costs: Sequence[float], num_stages: int) -> list[int]:
   """Splits `costs` into `num_stages` contiguous stages minimizing the largest stage's sum.
 
   Exact: dynamic programming over the number of stages and the length of the prefix,

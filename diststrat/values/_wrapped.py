@@ -1,5 +1,7 @@
 """Wrapped values: one value per device, and moving between per-tower and wrapped forms."""
 
+from typing import Any, Sequence
+
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _devices
@@ -35,21 +37,21 @@ class DistributedValues:
       self._index[key] = value
 
   @property
-  def devices(self):
+  def devices(self) -> tuple[str, ...]:
     """The devices, as a tuple of canonical names, in strategy order."""
     return tuple(self._index)
 
   @property
-  def values(self):
+  def values(self) -> tuple[Any, ...]:
     """The values, as a tuple, in the order of `devices`."""
     return tuple(self._index.values())
 
   @property
-  def primary(self):
+  def primary(self) -> Any:
     """The value on the first device."""
     return next(iter(self._index.values()))
 
-  def get(self, device=None):
+  def get(self, device: str | None = None) -> Any:
     """The value on `device`.
 
     Args:
@@ -219,7 +221,8 @@ def _kind(x):
   return ("leaf",)
 
 
-def regroup(values_per_tower, devices, wrap_class=None):
+def regroup(values_per_tower: Sequence[Any], devices: Sequence[str],
+            wrap_class: type | None = None) -> Any:
   """Merges per-tower structures leaf by leaf into one structure of wrapped values.
 
   Args:
@@ -328,7 +331,7 @@ def is_structure(x):
   return isinstance(x, (list, tuple, dict))
 
 
-def select_device(device, structure):
+def select_device(device: str, structure: Any) -> Any:
   """Replaces every wrapped leaf of `structure` by its component on `device`.
 
   The inverse of `regroup`: `select_device(devices[i], regroup(vals, devices))` gives
