@@ -812,3 +812,78 @@ def test_protocols_and_protocol_names():
   assert _tf_internal.PROTOCOL_NAMES == {n for names in _tf_internal.PROTOCOLS.values()
                                          for n in names}
 
+
+
+_ABORT_A_BLOCKED_COLLECTIVE = """
+import socket, threading, time
+import tensorflow as tf
+from diststrat import _tf_internal
+ports = []
+for _ in range(2):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); ports.append(s.getsockname()[1])
+# Two members, one process: the second never joins, so the first waits with no timeout.
+spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
+_tf_internal.enable_cross_process_collectives(spec, "worker", 0,
+                                              leader="/job:worker/replica:0/task:0")
+@tf.function
+def alone():
+  with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+    return _tf_internal.all_reduce_v1(tf.constant([2.0]), 2, 9, 9, "Add", "Id", timeout=0)
+print("RUNS_COLLECTIVES", _tf_internal.function_runs_collectives(
+    alone.get_concrete_function().function_def.signature.name))
+threading.Timer(1.0, _tf_internal.abort_collectives, ("stop waiting",)).start()
+start = time.monotonic()
+try:
+  alone()
+except tf.errors.UnavailableError as e:
+  print("ABORTED", "stop waiting" in str(e), round(time.monotonic() - start, 1))
+"""
+
+
+def test_abort_collectives_and_function_runs_collectives():
+  out = _run_python(_ABORT_A_BLOCKED_COLLECTIVE, timeout=60)
+  assert "ABORTED True" in out, _broke("abort_collectives", out)
+  assert "RUNS_COLLECTIVES True" in out, _broke("function_runs_collectives", out)
+
+
+def test_function_runs_collectives():
+  @tf.function
+  def plain(x):
+    return tf.while_loop(lambda i: i < x, lambda i: i + 1.0, [0.0])
+
+  name = plain.get_concrete_function(tf.constant(1.0)).function_def.signature.name
+  assert _tf_internal.function_runs_collectives(name) is False, _broke(
+      "function_runs_collectives", "a function without collectives counted as one")
+  assert _tf_internal.function_runs_collectives("Identity") is False
+
+
+def test_set_call_tracker():
+  calls = []
+
+  class Tracker:
+    def started(self, name=None):
+      calls.append(("started", name))
+      return len(calls)
+
+    def finished(self, token):
+      calls.append(("finished", token))
+
+  @tf.function
+  def traced(x):
+    return x + 1.0
+
+  traced(tf.constant(1.0))  # Traced before tracking.
+  _tf_internal.install_error_translator(lambda error: error)
+  _tf_internal.set_call_tracker(Tracker())
+  try:
+    traced(tf.constant(1.0))
+  finally:
+    _tf_internal.set_call_tracker(None)
+    _tf_internal.uninstall_error_translator()
+  started = [c for c in calls if c[0] == "started"]
+  assert started and all("traced" in str(name) for _, name in started), _broke(
+      "set_call_tracker", f"the function call was not reported: {calls}")
+  assert ("finished", 1) in calls, _broke("set_call_tracker", f"no end reported: {calls}")
+  traced(tf.constant(2.0))
+  assert len(calls) == 2 * len(started), "tracking went on after set_call_tracker(None)"

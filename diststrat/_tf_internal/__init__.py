@@ -10,9 +10,9 @@ the job, in the module of its kind:
 | module | what it reaches |
 |---|---|
 | `_thread_state` | the calling thread's device scope, variable creators, control inputs, and whether a `tf.while_loop` body is being built |
-| `_collectives` | collective ops; setting up collectives across processes; a peer's health |
+| `_collectives` | collective ops; setting up collectives across processes; a peer's health; aborting them |
 | `_functions` | calling a traced function with a flat list of tensors |
-| `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path |
+| `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running |
 | `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components |
 | `_tapes` | recording on gradient tapes |
 | `_keras` | Keras 3 variables and optimizers; which Keras code creates a variable |
@@ -39,13 +39,16 @@ from diststrat._tf_internal._base import TensorFlowInternalsError as TensorFlowI
 from diststrat._tf_internal._cluster_rpc import copy_to_device as copy_to_device
 from diststrat._tf_internal._cluster_rpc import install_error_translator as install_error_translator
 from diststrat._tf_internal._cluster_rpc import probe_tf_server as probe_tf_server
+from diststrat._tf_internal._cluster_rpc import set_call_tracker as set_call_tracker
 from diststrat._tf_internal._cluster_rpc import uninstall_error_translator as uninstall_error_translator
+from diststrat._tf_internal._collectives import abort_collectives as abort_collectives
 from diststrat._tf_internal._collectives import all_gather_v1 as all_gather_v1
 from diststrat._tf_internal._collectives import all_gather_v2 as all_gather_v2
 from diststrat._tf_internal._collectives import all_reduce_v1 as all_reduce_v1
 from diststrat._tf_internal._collectives import all_reduce_v2 as all_reduce_v2
 from diststrat._tf_internal._collectives import check_peer_health as check_peer_health
 from diststrat._tf_internal._collectives import enable_cross_process_collectives as enable_cross_process_collectives
+from diststrat._tf_internal._collectives import function_runs_collectives as function_runs_collectives
 from diststrat._tf_internal._distribute_stack import tf_distribution_mode as tf_distribution_mode
 from diststrat._tf_internal._functions import call_flat as call_flat
 from diststrat._tf_internal._keras import keras_backing_variable as keras_backing_variable
@@ -83,12 +86,13 @@ __all__ = [
     "set_variable_creator_stack", "current_control_dependencies", "in_while_loop",
     # collectives
     "all_reduce_v1", "all_reduce_v2", "all_gather_v1", "all_gather_v2",
-    "enable_cross_process_collectives", "check_peer_health",
+    "enable_cross_process_collectives", "check_peer_health", "abort_collectives",
+    "function_runs_collectives",
     # functions
     "call_flat",
     # cluster RPC and TensorFlow's error path
     "probe_tf_server", "copy_to_device", "install_error_translator",
-    "uninstall_error_translator",
+    "uninstall_error_translator", "set_call_tracker",
     # variables
     "ResourceVariableFromHandle", "RESOURCE_METHODS", "READ_METHODS",
     "base_resource_method", "wrap_resource_methods", "shared_name", "unique_id",

@@ -84,7 +84,8 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
                                                 with_ps=False)
       self._cluster_spec = spec
       name = f"MultiWorkerMirroredStrategy of /job:{task_type}/replica:0/task:{task_id}"
-      self._group = _worker_group.WorkerGroup(spec, task_type, task_id, name)
+      self._group = _worker_group.WorkerGroup(spec, task_type, task_id, name,
+                                              collective_timeout=cross_worker_ops.timeout)
       local = (_devices.canonicalize_all(devices, default=self._group.local_task)
                if devices else self._group.local_devices())
       every = self._group.devices_of_every_worker(local)
