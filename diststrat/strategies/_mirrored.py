@@ -66,7 +66,8 @@ class MirroredStrategy(DistributionStrategy):
       devices.
     cross_tower_ops: a `diststrat.cross_tower_ops.CrossTowerOps` that does reductions.
       Default: `choose_cross_tower_ops(devices)`: NCCL on several GPUs, collective ops
-      otherwise (docs/cross_tower_ops.md says when to pick another).
+      otherwise. On logical CPU devices `AllReduceCrossTowerOps("naive")` is faster
+      (docs/cross_tower_ops.md, "Which one to pick", says when to pick another).
     tower_timeout: seconds a tower may run between two pauses (merge_call or return)
       before the call fails with an error naming the tower; a guard against hangs.
 
