@@ -47,7 +47,8 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
     cross_worker_ops: a `diststrat.cross_tower_ops.CrossWorkerAllReduce` (scheme,
       packing, timeout). Default: `CrossWorkerAllReduce("hierarchical",
       timeout=collective_timeout)`.
-    collective_timeout: seconds a collective waits for the other workers.
+    collective_timeout: seconds a call that runs collectives (a step) may wait for the
+      other workers; a watchdog thread enforces it (docs/multi_worker.md, "Faults").
     tower_timeout: as for `MirroredStrategy`.
 
   Example (in each worker process, e.g. run by `LocalCluster.run_on_workers`)::
