@@ -212,6 +212,8 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
       spec = _environment.checked(
           lambda: _connection.normalize_cluster_spec(cluster_spec, task_type, task_id), source)
       self._cluster_spec = spec
+      if source is not None:  # Started with its PS tasks (Slurm, Kubernetes): let them start.
+        _connection.wait_for_ps_tasks(spec, step_timeout or DEFAULT_STEP_TIMEOUT)
       self._cluster = _connection.ClusterConnection(
           spec, task_type, task_id, step_timeout,
           name=f"ParameterServerStrategy of /job:{task_type}/replica:0/task:{task_id}")
