@@ -147,7 +147,7 @@ manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=2)
 latest = tf.train.latest_checkpoint(os.path.join(out, "ckpt"))
 start = 0
 if latest:
-  checkpoint.read(latest).assert_consumed()
+  checkpoint.restore(latest).assert_existing_objects_matched()
   start = int(latest.rsplit("-", 1)[1])
 print(f"towers {{strategy.num_towers}} start {{start}} attempt "
       f"{{os.environ['DISTSTRAT_RESTART_COUNT']}}", flush=True)
