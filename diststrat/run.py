@@ -28,7 +28,6 @@ Also `python -m diststrat.run ...`.
 
 import argparse
 import json
-import logging
 import os
 import select
 import signal
@@ -52,7 +51,6 @@ _GRACE = 5.0  # Seconds between SIGTERM and SIGKILL when the launcher stops a ta
 _POLL = 0.05
 _USAGE_ERROR = 2
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_logger = logging.getLogger("diststrat")
 
 
 class LaunchError(Exception):

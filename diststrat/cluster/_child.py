@@ -30,7 +30,6 @@ import traceback
 import types
 from multiprocessing import connection
 
-from diststrat._tf import tf
 from diststrat.cluster import _serve
 from diststrat.cluster import _task
 from diststrat.strategies import MultiWorkerMirroredStrategy
