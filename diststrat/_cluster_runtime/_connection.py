@@ -12,6 +12,8 @@ other worker, which fails while one is down or restarting. Its own address comes
 the spec (a fixed port): reconnecting after a PS restart needs it to be the same.
 """
 
+import time
+
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
@@ -116,6 +118,21 @@ def normalize_cluster_spec(cluster_spec, task_type, task_id, with_ps=True):
     raise ValueError(f"task_id must be an index into cluster_spec[{task_type!r}], from 0 "
                      f"to {len(spec[task_type]) - 1}. Received: task_id={task_id!r}")
   return spec
+
+
+def wait_for_ps_tasks(cluster_spec, timeout, poll=0.5):
+  """Waits until every PS task of `cluster_spec` answers, at most `timeout` seconds.
+
+  For processes started all at once (Slurm, Kubernetes), where a worker may come up
+  before its parameter servers: a task that refuses connections is asked again. Returns
+  when all answer or the time is up (the connection then names the task that does not).
+  """
+  deadline = time.monotonic() + timeout
+  while True:
+    outcomes = _tf_internal.probe_tf_server(cluster_spec[PS_JOB], poll * 4)
+    if not any(outcomes) or time.monotonic() + poll > deadline:
+      return
+    time.sleep(poll)
 
 
 class ClusterTaskMixin:

@@ -12,6 +12,7 @@ from diststrat import cross_tower_ops
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
 from diststrat._cluster_runtime import _connection
+from diststrat._cluster_runtime import _environment
 from diststrat._cluster_runtime import _read_cache
 from diststrat.strategies import _tower_threads
 from diststrat.values import _variables
@@ -90,6 +91,31 @@ class VariablePlacer:
     return device
 
 
+def _cluster_from_environment():
+  """The PS cluster the environment names for this worker, or None (see `__init__`)."""
+  config = _environment.cluster_from_environment()
+  if config is None:
+    return None
+  where = ("the TF_CONFIG environment variable" if config.source == _environment.TF_CONFIG
+           else "Slurm's variables")
+  if not config.cluster_spec.get(_connection.PS_JOB):
+    hint = ("launch with diststrat-run --ps 1 (or more)" if config.source ==
+            _environment.TF_CONFIG else
+            f"set {_environment.SLURM_NUM_PS_ENV} to the number of PS tasks")
+    raise ValueError(
+        f"ParameterServerStrategy() read its cluster from {where}, which names no "
+        f"parameter server (a 'ps' job). Received: cluster={config.cluster_spec!r}. To "
+        f"train with parameter servers, {hint}; for synchronous training on workers only, "
+        "use MultiWorkerMirroredStrategy().")
+  if config.task_type == _connection.PS_JOB:
+    raise ValueError(
+        f"This process is parameter server task {config.task_id} by {where}, and "
+        "parameter servers run no model code. Run diststrat.cluster.serve() in PS tasks "
+        "instead of the training program (diststrat-run does this itself): see "
+        "docs/launch.md.")
+  return config
+
+
 class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy):
   """Variables on parameter devices, towers on worker devices.
 
@@ -113,9 +139,13 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     ps_devices: where variables live. Default: the first local CPU device. Not allowed
       with `cluster_spec`, which names the PS tasks.
     cluster_spec: {"ps": ["host:port", ...], "worker": ["host:port", ...]} (or a
-      `tf.train.ClusterSpec`) to run as one worker task of that cluster.
-    task_type: this process's job in the cluster.
-    task_id: this process's task index in its job.
+      `tf.train.ClusterSpec`) to run as one worker task of that cluster. None (and no
+      `ps_devices`): the cluster of the `TF_CONFIG` environment variable if set
+      (`diststrat-run` sets it), else of a Slurm step
+      (`diststrat.cluster.cluster_from_slurm`), else this process alone.
+    task_type: this process's job in the cluster (from the environment when the
+      cluster is).
+    task_id: this process's task index in its job (likewise).
     variable_placement: "least_loaded", "round_robin", or a callable
       `(name, shape, dtype) -> device`.
     tower_timeout: seconds a tower may run between pauses (see `MirroredStrategy`).
@@ -154,6 +184,12 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
                step_timeout=DEFAULT_STEP_TIMEOUT, cache_reads=None,
                cache_reads_max_bytes=_read_cache.DEFAULT_MAX_BYTES):
     super().__init__()
+    source = None
+    if cluster_spec is None and ps_devices is None:
+      config = _cluster_from_environment()
+      if config is not None:
+        cluster_spec, task_type, task_id = config.cluster_spec, config.task_type, config.task_id
+        source = config.source
     step_timeout = _arguments.seconds("step_timeout", step_timeout)
     tower_timeout = _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)
     if cache_reads is None:
@@ -173,8 +209,11 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
             "ps_devices cannot be given with cluster_spec: in cluster mode the parameter "
             "devices are the CPUs of the 'ps' tasks of the spec. Received: "
             f"ps_devices={ps_devices!r}")
-      spec = _connection.normalize_cluster_spec(cluster_spec, task_type, task_id)
+      spec = _environment.checked(
+          lambda: _connection.normalize_cluster_spec(cluster_spec, task_type, task_id), source)
       self._cluster_spec = spec
+      if source is not None:  # Started with its PS tasks (Slurm, Kubernetes): let them start.
+        _connection.wait_for_ps_tasks(spec, step_timeout or DEFAULT_STEP_TIMEOUT)
       self._cluster = _connection.ClusterConnection(
           spec, task_type, task_id, step_timeout,
           name=f"ParameterServerStrategy of /job:{task_type}/replica:0/task:{task_id}")
