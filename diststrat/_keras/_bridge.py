@@ -154,6 +154,74 @@ class _MergeFn:
     return hash(getattr(self.merge_fn, "__code__", None))
 
 
+# --- a Keras optimizer's apply, once per step with the summed gradients ---------------
+
+_routed_optimizers = weakref.WeakKeyDictionary()  # Keras optimizer -> its StrategyAdapter
+
+
+def route_optimizer(optimizer, adapter):
+  """Makes `optimizer.apply` (and so `apply_gradients`) run once per step, in cross-tower
+  context, with the gradients summed over the towers.
+
+  Keras's optimizer applies its update in the tower that calls it: it clips the
+  gradient there (before any sum), and gradient accumulation, `LossScaleOptimizer` and
+  EMA put `merge_call`s or `strategy.update` inside `tf.cond` branches, which towers
+  tracing a graph cannot merge from. So the call from a tower is taken at its top: one
+  `merge_call` hands the towers' gradients over, they are summed, and Keras's own
+  `apply` runs once in cross-tower context on the sum (`StrategyAdapter.apply_summed`),
+  as on one device: every write to a mirrored variable there goes to all its copies.
+  Called from anywhere but a tower of the adapter's strategy, `apply` is Keras's own.
+
+  The instance's `apply` attribute is set (once per optimizer); Keras's classes are not
+  changed. Only optimizers created in the adapter's scope are routed.
+  """
+  if optimizer is None or _routed_optimizers.get(optimizer) is adapter:
+    return
+  if _tf_internal.keras_optimizer_strategy(optimizer) is not adapter or not callable(
+      getattr(type(optimizer), "apply", None)):
+    return
+  optimizer_ref = weakref.ref(optimizer)
+
+  def apply(grads, trainable_variables=None):
+    return adapter.apply_from_tower(optimizer_ref(), grads, trainable_variables)
+
+  # Plain instance attribute: Keras's own __setattr__ would try to track it.
+  object.__setattr__(optimizer, "apply", apply)
+  _routed_optimizers[optimizer] = adapter
+
+
+class SummedGradientsContext:
+  """What `tf.distribute.get_replica_context()` returns while a Keras optimizer applies the
+  gradients summed over the towers, once, in cross-tower context.
+
+  To that code it is the one replica: the gradients are already the global ones, so
+  `all_reduce` returns its value, and `merge_call` calls its function at once (the
+  context is already cross-tower). Keras's `LossScaleOptimizer` asks for a replica
+  context before it applies; this is it.
+  """
+
+  num_replicas_in_sync = 1
+  replica_id_in_sync_group = 0
+
+  def __init__(self, adapter):
+    self._adapter = adapter
+
+  @property
+  def strategy(self):
+    return self._adapter
+
+  @property
+  def devices(self):
+    return tuple(self._adapter.diststrat_strategy.worker_devices[:1])
+
+  def merge_call(self, merge_fn, args=(), kwargs=None):
+    return merge_fn(self._adapter, *args, **(kwargs or {}))
+
+  def all_reduce(self, reduce_op, value, options=None):
+    del reduce_op, options  # One replica: the sum and the mean are the value.
+    return value
+
+
 class ReplicaContextAdapter:
   """What `tf.distribute.get_replica_context()` returns inside a diststrat tower."""
 
@@ -218,7 +286,11 @@ class ExtendedAdapter:
     self._ds = strategy
 
   def _use_merge_call(self):
-    return True  # Keras's optimizer applies gradients through merge_call.
+    # In a tower, Keras's optimizer applies gradients through merge_call. In cross-tower
+    # context (an optimizer's apply run once with the summed gradients, see
+    # `route_optimizer`) there is nothing to merge: tf.distribute's `maybe_merge_call`
+    # then calls its function directly.
+    return _context.get_tower_context() is not None
 
   @property
   def _retrace_functions_for_each_device(self):
@@ -369,7 +441,9 @@ class StrategyAdapter:
         this strategy's scope.
     """
     del options
-    self._check_model(getattr(fn, "__self__", None))
+    model = getattr(fn, "__self__", None)
+    self._check_model(model)
+    route_optimizer(getattr(model, "optimizer", None), self)
     devices = self._ds.worker_devices
     first_tower, num_towers = self._ds._batch_split()  # pylint: disable=protected-access
 
@@ -386,6 +460,30 @@ class StrategyAdapter:
       step = tf.autograph.experimental.do_not_convert(fn)
       outputs = self._ds.call_for_each_tower(step, *args, **kwargs)
       return self._combine(fn, outputs)
+
+  def apply_from_tower(self, optimizer, grads, trainable_variables=None):
+    """A routed Keras optimizer's `apply` (see `route_optimizer`)."""
+    tower = _context.get_tower_context()
+    if tower is None or tower is _context.default_tower_context() or \
+        tower.distribution_strategy is not self._ds:
+      return type(optimizer).apply(optimizer, grads, trainable_variables)
+    grads = list(grads)
+    variables = None if trainable_variables is None else list(trainable_variables)
+    tower.merge_call(self.apply_summed, optimizer, grads, variables)
+    return None
+
+  def apply_summed(self, strategy, optimizer, grads, variables):
+    """merge_fn: sums the towers' gradients, then runs Keras's `apply` once on the sum."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    reduced = strategy.batch_reduce("sum", [(grads[i], None) for i in present]) \
+        if present else []
+    first_device = strategy.worker_devices[0]
+    summed = [None] * len(grads)
+    for i, value in zip(present, reduced):
+      summed[i] = value.get(first_device) if isinstance(
+          value, _wrapped.DistributedValues) else value
+    with _tf_internal.tf_distribution_mode(self, SummedGradientsContext(self)):
+      type(optimizer).apply(optimizer, summed, variables)
 
   def _check_model(self, model):
     """Refuses (never a silent run on one device) a Keras model not made in this scope."""

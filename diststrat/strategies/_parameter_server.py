@@ -389,6 +389,9 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     # tf.function: it lives on a PS task beyond any one trace.
     with tf.init_scope() if self._cluster is not None else contextlib.nullcontext():
       kwargs = dict(kwargs)
+      if self._cluster is not None and \
+          kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
+        return self._create_worker_local_variable(next_creator, kwargs)
       if colocate_with is not None:
         device = _wrapped.devices_of(colocate_with)[0]
       else:
@@ -397,6 +400,19 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
                                     kwargs["initial_value"].dtype)
       return self._wrap_if_written_in_towers(
           self._make_variable(device, next_creator, kwargs), device, kwargs)
+
+  def _create_worker_local_variable(self, next_creator, kwargs):
+    """A tower-local variable (ON_READ: Keras metrics) of this worker process, in cluster mode.
+
+    Its state is this worker's, as under tf.distribute: shared on a PS task, another
+    worker's resets and updates would land in this worker's metrics (SPEC section 9).
+    It is a plain variable on this worker's first device, written by every tower (the
+    towers' values add up, as a parameter-device variable's do in one process), never
+    shared with the other workers, and saved by checkpoints as this worker's value.
+    """
+    with tf.device(self._worker_devices_tuple[0]):
+      kwargs["initial_value"] = _arguments.initial_value_tensor(kwargs)
+      return _variables.mark_created_by(next_creator(**kwargs), self)
 
   def _wrap_if_written_in_towers(self, variable, device, kwargs):
     """`variable`, or a one-copy `MirroredVariable` of it if towers write it as one.

@@ -1,0 +1,200 @@
+"""Keras training recipes under diststrat equal one device (issue 19, SPEC section 11).
+
+Each recipe trains the same model from the same weights on the same global batches with
+no strategy (the reference) and in a strategy's scope, with compiled `fit`, and compares
+the weights (and the optimizer's state) afterwards. The batches of 10 examples split
+3/3/2/2 over four towers, so every step is also a ragged one.
+"""
+
+import contextlib
+import os
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from diststrat.cluster import LocalCluster
+from keras_cases import STRATEGIES, assert_all_close, assert_copies_equal
+
+FEATURES = 5
+BATCH = 10
+
+
+def _data(n=60, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+  y = (x @ rng.normal(size=(FEATURES, 2)) + 0.1 * rng.normal(size=(n, 2))).astype(np.float32)
+  return x, y
+
+
+@contextlib.contextmanager
+def _policy(name):
+  if name is None:
+    yield
+    return
+  keras.mixed_precision.set_global_policy(name)
+  try:
+    yield
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def _model(optimizer, weights=None, policy=None, **compile_kwargs):
+  keras.utils.set_random_seed(3)
+  with _policy(policy):
+    model = keras.Sequential([
+        keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(2, dtype="float32")])
+    if weights is not None:
+      model.set_weights(weights)
+    model.compile(optimizer=optimizer(), loss="mse", **compile_kwargs)
+  return model
+
+
+def _fit(strategy, optimizer, policy=None, epochs=2, data=None, **compile_kwargs):
+  """Weights after `fit` (and the model), from the same initial weights."""
+  x, y = data if data is not None else _data()
+  weights = _model(optimizer).get_weights()
+  scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+  with scope:
+    model = _model(optimizer, weights, policy, **compile_kwargs)
+  history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+  return model, history.history
+
+
+RECIPES = {
+    "clipnorm": lambda: keras.optimizers.SGD(0.1, clipnorm=0.05),
+    "global_clipnorm": lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.05),
+    "clipvalue": lambda: keras.optimizers.SGD(0.1, clipvalue=0.01),
+    "accumulation": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=3),
+    "ema": lambda: keras.optimizers.SGD(0.1, momentum=0.5, use_ema=True,
+                                        ema_momentum=0.9, ema_overwrite_frequency=4),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+
+
+def _compare(model, history, reference, ref_history):
+  assert_all_close(model.get_weights(), reference.get_weights())
+  assert_all_close([v.numpy() for v in model.optimizer.variables],
+                   [v.numpy() for v in reference.optimizer.variables])
+  assert_copies_equal(model.weights + list(model.optimizer.variables))
+  np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored4", "ps4"])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_optimizer_recipe_equals_one_device(recipe, strategy_name):
+  """Clipping, gradient accumulation and EMA act on the gradient summed over the towers.
+
+  On main: clipping is applied per tower (weights 1e-2 off), accumulation and EMA fail
+  with ContextError (a merge_call inside a tf.cond branch / update() in a tower).
+  """
+  reference, ref_history = _fit(None, RECIPES[recipe])
+  model, history = _fit(STRATEGIES[strategy_name](), RECIPES[recipe])
+  _compare(model, history, reference, ref_history)
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored1", "mirrored4", "ps4"])
+def test_mixed_float16_equals_one_device(strategy_name):
+  """`mixed_float16` (Keras wraps the optimizer in a LossScaleOptimizer) in compiled fit.
+
+  On main: ContextError, LossScaleOptimizer's tf.cond calls merge_call in a tower.
+  """
+  optimizer = lambda: keras.optimizers.Adam(0.01)
+  reference, ref_history = _fit(None, optimizer, policy="mixed_float16")
+  assert isinstance(reference.optimizer, keras.optimizers.LossScaleOptimizer)
+  model, history = _fit(STRATEGIES[strategy_name](), optimizer, policy="mixed_float16")
+  assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+  # float16 activations: the towers' partial sums round differently from one device's.
+  assert_all_close(model.get_weights(), reference.get_weights(), rtol=2e-3, atol=2e-3)
+  assert float(model.optimizer.dynamic_scale.numpy()) == float(
+      reference.optimizer.dynamic_scale.numpy())
+  assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+  assert_copies_equal(model.weights + list(model.optimizer.variables))
+  np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=2e-3)
+
+
+def test_mixed_float16_skips_a_step_with_non_finite_gradients_in_one_tower():
+  """A gradient that overflows in one tower makes the summed one non-finite: the step is
+  skipped and the loss scale halves on every copy, as on one device."""
+  x, y = _data(20)
+  y[7] = 1e4  # In tower 2 (rows 6-7 of the first batch): its float16 gradients overflow.
+  optimizer = lambda: keras.optimizers.SGD(0.01)
+  reference, _ = _fit(None, optimizer, policy="mixed_float16", epochs=1, data=(x, y))
+  model, _ = _fit(STRATEGIES["mirrored4"](), optimizer, policy="mixed_float16", epochs=1,
+                  data=(x, y))
+  scale = float(model.optimizer.dynamic_scale.numpy())
+  assert scale == float(reference.optimizer.dynamic_scale.numpy())
+  assert scale < 32768.0  # The initial scale: at least one step was skipped.
+  assert_copies_equal(model.weights + list(model.optimizer.variables))
+  assert_all_close(model.get_weights(), reference.get_weights(), rtol=2e-3, atol=2e-3)
+
+
+# --- metrics stay per worker process in a parameter-server cluster (SPEC section 9) ---
+
+
+def _wait_for(path, timeout=90.0):
+  deadline = time.monotonic() + timeout
+  while not os.path.exists(path):
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"{path} did not appear within {timeout} s")
+    time.sleep(0.02)
+
+
+def _worker_data(task_id):
+  return _data(30, seed=10 + task_id)
+
+
+class _PauseAfterFirstBatch(keras.callbacks.Callback):
+  """Worker 0's evaluate: after its first batch, lets worker 1 run a whole evaluate."""
+
+  def __init__(self, sync_dir):
+    super().__init__()
+    self._first = os.path.join(sync_dir, "w0_first_batch")
+    self._done = os.path.join(sync_dir, "w1_done")
+
+  def on_test_batch_end(self, batch, logs=None):
+    if batch == 0:
+      open(self._first, "w").close()
+      _wait_for(self._done)
+
+
+def _evaluate_per_worker_fn(strategy, weights, sync_dir):
+  """Each worker evaluates its own data with the same (shared) weights.
+
+  Worker 1 runs its whole evaluate (which resets the metrics, then updates them) between
+  worker 0's first and second batches: if the metric variables were shared on the PS,
+  worker 0's logs would include worker 1's reset and data.
+  """
+  x, y = _worker_data(strategy.task_id)
+  with strategy.scope():
+    model = _model(lambda: keras.optimizers.SGD(0.1), weights, metrics=["mae"])
+  if strategy.task_id == 0:
+    logs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True,
+                          callbacks=[_PauseAfterFirstBatch(sync_dir)])
+  else:
+    _wait_for(os.path.join(sync_dir, "w0_first_batch"))
+    logs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    open(os.path.join(sync_dir, "w1_done"), "w").close()
+  metric_devices = sorted({v.value.device for m in model.metrics for v in m.variables})
+  return {k: float(v) for k, v in logs.items()}, metric_devices
+
+
+def test_keras_metrics_stay_per_worker_in_a_ps_cluster(tmp_path):
+  """On main: the metric variables are shared on the PS, worker 1's reset and batches land
+  in worker 0's logs."""
+  weights = _model(lambda: keras.optimizers.SGD(0.1)).get_weights()
+  with LocalCluster(num_ps=1, num_workers=2, start_timeout=60, result_timeout=150) as cluster:
+    results = cluster.run_on_workers(_evaluate_per_worker_fn, weights=weights,
+                                     sync_dir=str(tmp_path))
+  reference = _model(lambda: keras.optimizers.SGD(0.1), weights, metrics=["mae"])
+  for task_id, (logs, devices) in enumerate(results):
+    x, y = _worker_data(task_id)
+    expected = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    for key in ("loss", "mae"):
+      np.testing.assert_allclose(logs[key], expected[key], rtol=1e-5, err_msg=key)
+    assert devices and all(f"/job:worker/replica:0/task:{task_id}/" in d for d in devices), \
+        devices
