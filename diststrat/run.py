@@ -469,8 +469,9 @@ def _run(options):
           signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
       if failure is None:
         return 0
-      _, status, message = failure
-      _say(message + " The other tasks were stopped.")
+      task, status, message = failure
+      others = [t for t in job.tasks if t is not task]
+      _say(message + (" The other tasks were stopped." if others else ""))
       if attempt >= options.max_restarts:
         if options.max_restarts:
           _say(f"giving up after {attempt} restart(s) (--max-restarts "
