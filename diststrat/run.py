@@ -327,6 +327,8 @@ class _Job:
     env.pop(_task.CPUS_ENV, None)
     if task_type == "ps":
       env["CUDA_VISIBLE_DEVICES"] = ""  # Variables live on the PS CPU; leave GPUs alone.
+      # TensorFlow logs each worker's session options at INFO level on a PS: not by default.
+      env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     elif self._options.cpus:
       env[_task.CPUS_ENV] = str(self._options.cpus)
     return env
@@ -339,6 +341,8 @@ class _Job:
       address = spec[task_type][task_id]
       port = int(address.rsplit(":", 1)[1])
       with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As a server binds: connections of a previous attempt in TIME_WAIT do not count.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
           sock.bind(("", port))  # TensorFlow's servers bind every interface.
         except OSError as e:
@@ -465,8 +469,9 @@ def _run(options):
           signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
       if failure is None:
         return 0
-      _, status, message = failure
-      _say(message + " The other tasks were stopped.")
+      task, status, message = failure
+      others = [t for t in job.tasks if t is not task]
+      _say(message + (" The other tasks were stopped." if others else ""))
       if attempt >= options.max_restarts:
         if options.max_restarts:
           _say(f"giving up after {attempt} restart(s) (--max-restarts "

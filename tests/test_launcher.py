@@ -304,6 +304,50 @@ def test_tf_config_comes_before_slurm():
     cluster_from_environment({"TF_CONFIG": "{\"cluster\": 1}"})
 
 
+_PS_CLUSTER = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+
+
+@pytest.mark.parametrize("cluster, task, match", [
+    (_PS_CLUSTER, {"type": "ps", "index": 0},
+     r"This process is parameter server task 0 by the TF_CONFIG environment variable.*"
+     r"Run diststrat.cluster.serve\(\) in PS tasks"),
+    ({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, {"type": "worker", "index": 0},
+     r"ParameterServerStrategy\(\) read its cluster from the TF_CONFIG environment "
+     r"variable, which names no parameter server.*launch with diststrat-run --ps 1"),
+    ({**_PS_CLUSTER, "worker": ["127.0.0.1:2"]}, {"type": "worker", "index": 3},
+     r"task_id must be an index into cluster_spec\['worker'\], from 0 to 0"),
+])
+def test_parameter_server_strategy_rejects_a_tf_config_it_cannot_use(
+    monkeypatch, cluster, task, match):
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": task}))
+  with pytest.raises(ValueError, match=match):
+    ds.ParameterServerStrategy()
+
+
+def test_multi_worker_strategy_rejects_a_tf_config_with_parameter_servers(monkeypatch):
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": _PS_CLUSTER,
+                                              "task": {"type": "worker", "index": 0}}))
+  with pytest.raises(ValueError, match="runs on worker tasks only") as info:
+    ds.MultiWorkerMirroredStrategy()
+  assert "read from the TF_CONFIG environment variable" in str(info.value.__notes__)
+  monkeypatch.setenv("TF_CONFIG", "not json")
+  with pytest.raises(ValueError, match="TF_CONFIG must be JSON such as"):
+    ds.MultiWorkerMirroredStrategy()
+
+
+def test_serve_needs_a_cluster(monkeypatch):
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+  for name in [n for n in os.environ if n.startswith("SLURM_")]:
+    monkeypatch.delenv(name)
+  with pytest.raises(ValueError, match=r"serve\(\) needs a cluster: set TF_CONFIG"):
+    ds.cluster.serve()
+  with pytest.raises(ValueError, match="task_type and task_id must name one"):
+    ds.cluster.serve({"ps": ["127.0.0.1:1"]}, "ps", 1)
+
+
 def _run_tasks(script, environs, cwd, timeout=JOB_TIMEOUT):
   """Starts one process of `script` per environment at once (as srun does); waits."""
   marker = uuid.uuid4().hex
