@@ -190,6 +190,40 @@ def route_optimizer(optimizer, adapter):
   _routed_optimizers[optimizer] = adapter
 
 
+_routed_trackers = weakref.WeakKeyDictionary()  # Keras loss tracker -> its StrategyAdapter
+
+
+def route_loss_tracker(tracker, adapter):
+  """Weighs a per-output loss tracker's tower updates by the tower's share of the batch.
+
+  Keras updates the "<output>_loss" `Mean` of a multi-output model with the loss
+  computed on the tower's part and `sample_weight` the part's static batch size, which
+  is unknown (None) in a traced step: each tower would then count as one whole step,
+  and the towers' means would be averaged unweighted (wrong on a ragged batch, and N
+  updates per step where one device makes one). In a tower given part of a batch, a
+  missing `sample_weight` becomes the tower's share n_i / B: the towers' updates add up
+  to one update of the batch's mean, as on one device. A static size (eager steps) is
+  the tower's n_i, already right.
+  """
+  if _routed_trackers.get(tracker) is adapter:
+    return
+  tracker_ref = weakref.ref(tracker)
+
+  def update_state(values, sample_weight=None):
+    tracker = tracker_ref()
+    tower = _context.get_tower_context()
+    if sample_weight is None and tower is not None and \
+        tower.distribution_strategy is adapter.diststrat_strategy and \
+        tower.batch_share is not None:
+      sample_weight = tf.cast(tower.batch_share, tf.float32)
+      # A tower without an example holds no loss (0 / 0): it weighs 0 and adds 0.
+      values = tf.where(sample_weight > 0, values, tf.zeros_like(values))
+    return type(tracker).update_state(tracker, values, sample_weight=sample_weight)
+
+  object.__setattr__(tracker, "update_state", update_state)
+  _routed_trackers[tracker] = adapter
+
+
 class SummedGradientsContext:
   """What `tf.distribute.get_replica_context()` returns while a Keras optimizer applies the
   gradients summed over the towers, once, in cross-tower context.
@@ -335,7 +369,24 @@ class ExtendedAdapter:
     kwargs = dict(kwargs or {})
     kwargs = _wrapped.pack_as(kwargs, [local(x) for x in _wrapped.flatten(kwargs)])
     result = self._ds.update(var, fn, *args, **kwargs)
-    return self._ds.group(result) if group else result
+    return self._grouped(result) if group else result
+
+  def _grouped(self, result):
+    """`update(..., group=True)`'s result: one value per leaf, after every copy's update.
+
+    tf.distribute returns values there, and code uses them (`tf.random.Generator.skip`
+    in cross-replica context slices the state it read): a leaf whose copies are tensors
+    gives its first copy, made to wait for every copy's update; anything else (ops,
+    variables) gives one op that runs them all.
+    """
+    leaves = _wrapped.flatten(result)
+    parts = [self._ds.unwrap(leaf) for leaf in leaves]
+    if not leaves or not all(isinstance(c, tf.Tensor) for p in parts for c in p):
+      return self._ds.group(result)
+    if tf.executing_eagerly():
+      return _wrapped.pack_as(result, [p[0] for p in parts])
+    with tf.control_dependencies([c for p in parts for c in p]):
+      return _wrapped.pack_as(result, [tf.identity(p[0]) for p in parts])
 
   def call_for_each_replica(self, fn, args=(), kwargs=None):
     return self._ds.call_for_each_tower(fn, *args, **(kwargs or {}))
@@ -444,6 +495,9 @@ class StrategyAdapter:
     model = getattr(fn, "__self__", None)
     self._check_model(model)
     route_optimizer(getattr(model, "optimizer", None), self)
+    if _is_train_or_test_step(fn):
+      for tracker in _tf_internal.keras_output_loss_trackers(model):
+        route_loss_tracker(tracker, self)
     devices = self._ds.worker_devices
     first_tower, num_towers = self._ds._batch_split()  # pylint: disable=protected-access
 
