@@ -274,3 +274,87 @@ def test_random_generator_created_in_the_scope(strategy_name):
   assert all(np.all(np.isfinite(d)) for d in draws)
   assert not np.array_equal(draws[0], draws[1])  # One stream per tower.
   assert_copies_equal([generator.state])
+
+
+def _small_model():
+  model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(2)])
+  return model
+
+
+def test_jit_compile_raises_naming_the_fix_on_several_devices_and_trains_on_one():
+  """On main: an XLA InvalidArgumentError about a resource on another device."""
+  x, y = _data(20)
+  with STRATEGIES["mirrored4"]().scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+  with pytest.raises(ValueError, match=r"compiled with jit_compile=True, but under "
+                     r"MirroredStrategy.* its step runs on 4 devices.*Compile it with "
+                     r"jit_compile=False under this strategy"):
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+  # The default ('auto') is False under a strategy: it trains.
+  with STRATEGIES["mirrored4"]().scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse")
+  assert model.jit_compile is False
+  model.fit(x, y, batch_size=BATCH, verbose=0)
+  # One device: XLA compiles the step, equal to one device without a strategy.
+  weights = _small_model().get_weights()
+  reference = _small_model()
+  reference.set_weights(weights)
+  reference.compile(optimizer="sgd", loss="mse", jit_compile=True)
+  reference.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
+  with STRATEGIES["mirrored1"]().scope():
+    model = _small_model()
+    model.set_weights(weights)
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+  model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
+  assert_all_close(model.get_weights(), reference.get_weights())
+
+
+def test_fit_inside_another_strategys_scope_names_the_models_strategy():
+  """On main: "Cannot enter the scope of Mirrored(4) inside ... Mirrored(2)", a scope the
+  user never entered."""
+  x, y = _data(20)
+  four, two = STRATEGIES["mirrored4"](), STRATEGIES["mirrored2"]()
+  with four.scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse")
+  with two.scope():
+    with pytest.raises(ds.errors.ContextError) as info:
+      model.fit(x, y, batch_size=BATCH, verbose=0)
+  message = str(info.value)
+  assert message.startswith(f"A Keras model (or optimizer, or other tf.distribute-aware "
+                            f"code) created in the scope of {four!r} was used inside the "
+                            f"cross-tower context of {two!r}")
+  assert "Call fit/evaluate/predict outside any strategy's scope" in message
+  assert f"to train under {two!r}, build and compile the model inside that strategy's " \
+         "scope" in message
+  model.fit(x, y, batch_size=BATCH, verbose=0)  # Outside any scope: its own strategy.
+
+
+def test_mixing_with_tf_distribute_explains_the_fix():
+  """On main: TensorFlow's bare "Mixing different tf.distribute.Strategy objects" (no
+  fix), and a diststrat scope inside a tf.distribute scope was entered silently."""
+  strategy = STRATEGIES["mirrored2"]()
+  tf_strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+  with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy") as info:
+    with strategy.scope():
+      with tf_strategy.scope():
+        pass
+  notes = " ".join(getattr(info.value, "__notes__", []))
+  assert "a tf.distribute strategy was used inside the scope of diststrat's " \
+         f"{strategy!r}" in notes and "Enter the tf.distribute strategy's scope outside " \
+         "any diststrat scope" in notes
+  with tf_strategy.scope():
+    with pytest.raises(ds.errors.ContextError, match=r"Cannot enter the scope of "
+                       r"diststrat's MirroredStrategy.* inside the scope of the "
+                       r"tf.distribute strategy .*Leave the tf.distribute scope first"):
+      with strategy.scope():
+        pass
+  # A model made under diststrat keeps training under it inside a tf.distribute scope.
+  x, y = _data(20)
+  with strategy.scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse")
+  with tf_strategy.scope():
+    model.fit(x, y, batch_size=BATCH, verbose=0)

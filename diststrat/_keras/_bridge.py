@@ -28,6 +28,8 @@ What Keras then does by itself, unchanged:
 (`_context.add_mode_listener`); `import diststrat` calls it. See docs/keras.md.
 """
 
+import contextlib
+import threading
 import weakref
 
 from diststrat._tf import tf
@@ -57,10 +59,46 @@ def tf_mode(strategy, tower_context):
   if _context.is_default_strategy(strategy):
     return None  # TensorFlow's own default strategy stands for ours.
   adapter = adapter_for(strategy)
+  current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+  if current is not None and not isinstance(current, StrategyAdapter) and \
+      not getattr(_entering, "by_adapter", False):
+    raise errors.ContextError(
+        f"Cannot enter the scope of diststrat's {strategy!r} inside the scope of the "
+        f"tf.distribute strategy {current!r}: the two libraries' strategies do not mix "
+        "(Keras and TensorFlow would see two current strategies). Leave the "
+        "tf.distribute scope first, or use only one library's strategies.")
   if tower_context is None:
-    return _tf_internal.tf_distribution_mode(adapter)
-  return _tf_internal.tf_distribution_mode(adapter,
-                                           ReplicaContextAdapter(adapter, tower_context))
+    mode = _tf_internal.tf_distribution_mode(adapter)
+  else:
+    mode = _tf_internal.tf_distribution_mode(adapter,
+                                             ReplicaContextAdapter(adapter, tower_context))
+  return _explain_mixing(mode, strategy)
+
+
+_entering = threading.local()  # by_adapter: a StrategyAdapter enters its strategy's scope.
+
+
+_MIXING = "Mixing different tf.distribute.Strategy objects"  # TensorFlow's error text.
+_MIXING_NOTE = "diststrat: a tf.distribute strategy was used inside the scope of "
+
+
+@contextlib.contextmanager
+def _explain_mixing(mode, strategy):
+  """`mode`; TensorFlow's "Mixing different tf.distribute.Strategy objects" error raised
+  inside it gets a note saying what happened and the fix (TensorFlow raises it from its
+  own scope, where diststrat cannot check first)."""
+  with mode:
+    try:
+      yield
+    except RuntimeError as e:
+      if _MIXING in str(e) and not any(
+          _MIXING_NOTE in note for note in getattr(e, "__notes__", ())):
+        errors.add_note(e, (
+            f"{_MIXING_NOTE}diststrat's {strategy!r}, where tf.distribute.get_strategy() "
+            "is diststrat's adapter: the two libraries' strategies do not mix. Enter the "
+            "tf.distribute strategy's scope outside any diststrat scope (and build its "
+            "models there), or use only diststrat's strategies. See docs/keras.md."))
+      raise
 
 
 
@@ -444,7 +482,66 @@ class StrategyAdapter:
     return self._ds.num_towers
 
   def scope(self):
-    return self._ds.scope()
+    self._check_no_other_strategy("A Keras model (or optimizer, or other tf.distribute-"
+                                  "aware code)")
+    return self._adapter_scope()
+
+  @contextlib.contextmanager
+  def _adapter_scope(self):
+    """The strategy's scope, entered for code that asked the adapter for it.
+
+    That code (a Keras model made under this strategy) runs under this strategy even
+    inside a tf.distribute strategy's scope: the entry for diststrat goes on top of
+    TensorFlow's stack. A user's own `with strategy.scope():` there is refused.
+    """
+    saved = getattr(_entering, "by_adapter", False)
+    _entering.by_adapter = True
+    try:
+      scope = self._ds.scope()
+      scope.__enter__()
+    finally:
+      _entering.by_adapter = saved
+    try:
+      yield self
+    except BaseException as e:
+      if not scope.__exit__(type(e), e, e.__traceback__):
+        raise
+    else:
+      scope.__exit__(None, None, None)
+
+  def _check_no_other_strategy(self, what):
+    """Raises when another diststrat strategy's context is current.
+
+    A Keras model fit inside the scope of a strategy other than its own would otherwise
+    fail entering its own strategy's scope, with a message naming a scope the user
+    never entered.
+    """
+    mode = _context.current_mode()
+    if not _context.has_distribution_strategy() or mode.strategy is self._ds:
+      return
+    raise errors.ContextError(
+        f"{what} created in the scope of {self._ds!r} was used inside "
+        f"{_context.describe_current_context()}: it runs under the strategy it was "
+        "created under, and strategies do not mix. Call fit/evaluate/predict outside any "
+        f"strategy's scope (the model keeps its strategy), or inside the scope of "
+        f"{self._ds!r}; to train under {mode.strategy!r}, build and compile the model "
+        "inside that strategy's scope (move the weights with get_weights()/set_weights() "
+        "or a checkpoint).")
+
+  def _check_jit_compile(self, model):
+    """Refuses `jit_compile=True` where XLA cannot compile the step (several devices)."""
+    if model is None or not getattr(model, "jit_compile", False):
+      return
+    devices = set(self._ds.worker_devices) | set(self._ds.parameter_devices)
+    if len(devices) <= 1:
+      return  # One device: XLA compiles the step as it would without a strategy.
+    raise ValueError(
+        f"The Keras model {model.name!r} was compiled with jit_compile=True, but under "
+        f"{self._ds!r} its step runs on {len(devices)} devices ({self._ds.num_towers} "
+        "towers, each with its own copy or read of the variables), and XLA compiles a "
+        "step for one device: it cannot reach the other devices' variables. Compile it "
+        "with jit_compile=False under this strategy (the default, jit_compile='auto', "
+        "chooses False under a strategy), or train on one device with XLA.")
 
   # --- input ---
 
@@ -493,6 +590,11 @@ class StrategyAdapter:
     """
     del options
     model = getattr(fn, "__self__", None)
+    if hasattr(model, "get_metrics_result"):  # A Keras model's step.
+      self._check_no_other_strategy(f"The Keras model {model.name!r}")  # As in scope().
+      self._check_jit_compile(model)
+    else:
+      self._check_no_other_strategy("A function run by tf.distribute-aware code")
     self._check_model(model)
     route_optimizer(getattr(model, "optimizer", None), self)
     if _is_train_or_test_step(fn):
@@ -509,7 +611,7 @@ class StrategyAdapter:
 
     structure = (tuple(args), dict(kwargs or {}))
     args, kwargs = _wrapped.pack_as(structure, [split(x) for x in _wrapped.flatten(structure)])
-    with self._ds.scope():
+    with self._adapter_scope():
       # Keras runs its steps without AutoGraph (as on one device): towers do the same.
       step = tf.autograph.experimental.do_not_convert(fn)
       outputs = self._ds.call_for_each_tower(step, *args, **kwargs)
