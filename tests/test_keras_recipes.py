@@ -198,3 +198,163 @@ def test_keras_metrics_stay_per_worker_in_a_ps_cluster(tmp_path):
       np.testing.assert_allclose(logs[key], expected[key], rtol=1e-5, err_msg=key)
     assert devices and all(f"/job:worker/replica:0/task:{task_id}/" in d for d in devices), \
         devices
+
+
+# --- smaller recipes (issue 19 item 6) -----------------------------------------------
+
+
+def _two_output_model(weights=None):
+  keras.utils.set_random_seed(5)
+  inputs = keras.Input((FEATURES,))
+  hidden = keras.layers.Dense(6, activation="tanh")(inputs)
+  model = keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(hidden),
+                               "b": keras.layers.Dense(2, name="b")(hidden)})
+  if weights is not None:
+    model.set_weights(weights)
+  model.compile(optimizer=keras.optimizers.SGD(0.05), loss={"a": "mse", "b": "mae"},
+                loss_weights={"a": 1.0, "b": 0.5})
+  return model
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored4", "ps4"])
+@pytest.mark.parametrize("batch_size", [10, 3])
+def test_per_output_losses_on_ragged_batches_equal_one_device(strategy_name, batch_size):
+  """Batches of 10 split 3/3/2/2 (the last, 6, splits 2/2/1/1); batches of 3 leave a tower
+  without an example on every step: nothing is nan, every number is one device's.
+
+  On main: the per-output losses ("a_loss", "b_loss") weigh each tower as a whole batch
+  (Keras passes the static batch size, unknown in a traced step), 2.6e-3 off.
+  """
+  x, _ = _data(26)
+  rng = np.random.default_rng(4)
+  y = {"a": rng.normal(size=(26, 1)).astype(np.float32),
+       "b": rng.normal(size=(26, 2)).astype(np.float32)}
+  weights = _two_output_model().get_weights()
+  reference = _two_output_model(weights)
+  ref_history = reference.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False,
+                              verbose=0).history
+  ref_eval = reference.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+  with STRATEGIES[strategy_name]().scope():
+    model = _two_output_model(weights)
+  history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0).history
+  evaluated = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+  assert sorted(history) == sorted(ref_history) and "a_loss" in history
+  for key in ref_history:
+    assert np.all(np.isfinite(history[key])), (key, history[key])
+    np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+  for key in ref_eval:
+    np.testing.assert_allclose(evaluated[key], ref_eval[key], rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+  assert_all_close(model.get_weights(), reference.get_weights())
+
+
+def _generator_numbers(strategy):
+  """Numbers drawn in cross-tower context from a generator made in the scope."""
+  scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+  with scope:
+    generator = tf.random.Generator.from_seed(7)
+    eager = generator.normal([3])
+    traced = tf.function(lambda: generator.uniform([2]))()
+    skipped = generator.skip(5)
+  return generator, [eager.numpy(), traced.numpy(), np.asarray(skipped)]
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored4", "ps4"])
+def test_random_generator_created_in_the_scope(strategy_name):
+  """On main: TypeError: 'NoneType' object is not subscriptable (the adapter's
+  update(..., group=True) returned no value)."""
+  strategy = STRATEGIES[strategy_name]()
+  _, expected = _generator_numbers(None)
+  generator, got = _generator_numbers(strategy)
+  assert_all_close(got, expected)
+  with strategy.scope():
+    per_tower = strategy.call_for_each_tower(lambda: generator.normal([2]))
+  draws = [np.asarray(v) for v in strategy.unwrap(per_tower)]
+  assert all(np.all(np.isfinite(d)) for d in draws)
+  assert not np.array_equal(draws[0], draws[1])  # One stream per tower.
+  assert_copies_equal([generator.state])
+
+
+def _small_model():
+  model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(2)])
+  return model
+
+
+def test_jit_compile_raises_naming_the_fix_on_several_devices_and_trains_on_one():
+  """On main: an XLA InvalidArgumentError about a resource on another device."""
+  x, y = _data(20)
+  with STRATEGIES["mirrored4"]().scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+  with pytest.raises(ValueError, match=r"compiled with jit_compile=True, but under "
+                     r"MirroredStrategy.* its step runs on 4 devices.*Compile it with "
+                     r"jit_compile=False under this strategy"):
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+  # The default ('auto') is False under a strategy: it trains.
+  with STRATEGIES["mirrored4"]().scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse")
+  assert model.jit_compile is False
+  model.fit(x, y, batch_size=BATCH, verbose=0)
+  # One device: XLA compiles the step, equal to one device without a strategy.
+  weights = _small_model().get_weights()
+  reference = _small_model()
+  reference.set_weights(weights)
+  reference.compile(optimizer="sgd", loss="mse", jit_compile=True)
+  reference.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
+  with STRATEGIES["mirrored1"]().scope():
+    model = _small_model()
+    model.set_weights(weights)
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+  model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
+  assert_all_close(model.get_weights(), reference.get_weights())
+
+
+def test_fit_inside_another_strategys_scope_names_the_models_strategy():
+  """On main: "Cannot enter the scope of Mirrored(4) inside ... Mirrored(2)", a scope the
+  user never entered."""
+  x, y = _data(20)
+  four, two = STRATEGIES["mirrored4"](), STRATEGIES["mirrored2"]()
+  with four.scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse")
+  with two.scope():
+    with pytest.raises(ds.errors.ContextError) as info:
+      model.fit(x, y, batch_size=BATCH, verbose=0)
+  message = str(info.value)
+  assert message.startswith(f"A Keras model (or optimizer, or other tf.distribute-aware "
+                            f"code) created in the scope of {four!r} was used inside the "
+                            f"cross-tower context of {two!r}")
+  assert "Call fit/evaluate/predict outside any strategy's scope" in message
+  assert f"to train under {two!r}, build and compile the model inside that strategy's " \
+         "scope" in message
+  model.fit(x, y, batch_size=BATCH, verbose=0)  # Outside any scope: its own strategy.
+
+
+def test_mixing_with_tf_distribute_explains_the_fix():
+  """On main: TensorFlow's bare "Mixing different tf.distribute.Strategy objects" (no
+  fix), and a diststrat scope inside a tf.distribute scope was entered silently."""
+  strategy = STRATEGIES["mirrored2"]()
+  tf_strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+  with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy") as info:
+    with strategy.scope():
+      with tf_strategy.scope():
+        pass
+  notes = " ".join(getattr(info.value, "__notes__", []))
+  assert "a tf.distribute strategy was used inside the scope of diststrat's " \
+         f"{strategy!r}" in notes and "Enter the tf.distribute strategy's scope outside " \
+         "any diststrat scope" in notes
+  with tf_strategy.scope():
+    with pytest.raises(ds.errors.ContextError, match=r"Cannot enter the scope of "
+                       r"diststrat's MirroredStrategy.* inside the scope of the "
+                       r"tf.distribute strategy .*Leave the tf.distribute scope first"):
+      with strategy.scope():
+        pass
+  # A model made under diststrat keeps training under it inside a tf.distribute scope.
+  x, y = _data(20)
+  with strategy.scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse")
+  with tf_strategy.scope():
+    model.fit(x, y, batch_size=BATCH, verbose=0)

@@ -255,6 +255,22 @@ def test_keras_optimizer_strategy():
   assert _tf_internal.keras_optimizer_strategy(outside) is tf.distribute.get_strategy()
 
 
+def test_keras_output_loss_trackers():
+  inputs = keras.Input((3,))
+  model = keras.Model(inputs, {"a": keras.layers.Dense(1)(inputs),
+                               "b": keras.layers.Dense(2)(inputs)})
+  assert _tf_internal.keras_output_loss_trackers(model) == []  # Not compiled.
+  model.compile(optimizer="sgd", loss={"a": "mse", "b": "mae"})
+  model.fit(np.zeros((4, 3), np.float32),
+            {"a": np.zeros((4, 1), np.float32), "b": np.zeros((4, 2), np.float32)},
+            verbose=0)
+  trackers = _tf_internal.keras_output_loss_trackers(model)
+  names = sorted(t.name for t in trackers)
+  assert names == ["a_loss", "b_loss"], _broke(
+      "keras_output_loss_trackers", f"Keras {keras.__version__} per-output trackers: {names}")
+  assert all(isinstance(t, keras.metrics.Mean) for t in trackers)
+
+
 # --- protocols TensorFlow calls on diststrat's objects ---------------------------------------
 
 

@@ -28,6 +28,8 @@ What Keras then does by itself, unchanged:
 (`_context.add_mode_listener`); `import diststrat` calls it. See docs/keras.md.
 """
 
+import contextlib
+import threading
 import weakref
 
 from diststrat._tf import tf
@@ -57,10 +59,46 @@ def tf_mode(strategy, tower_context):
   if _context.is_default_strategy(strategy):
     return None  # TensorFlow's own default strategy stands for ours.
   adapter = adapter_for(strategy)
+  current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+  if current is not None and not isinstance(current, StrategyAdapter) and \
+      not getattr(_entering, "by_adapter", False):
+    raise errors.ContextError(
+        f"Cannot enter the scope of diststrat's {strategy!r} inside the scope of the "
+        f"tf.distribute strategy {current!r}: the two libraries' strategies do not mix "
+        "(Keras and TensorFlow would see two current strategies). Leave the "
+        "tf.distribute scope first, or use only one library's strategies.")
   if tower_context is None:
-    return _tf_internal.tf_distribution_mode(adapter)
-  return _tf_internal.tf_distribution_mode(adapter,
-                                           ReplicaContextAdapter(adapter, tower_context))
+    mode = _tf_internal.tf_distribution_mode(adapter)
+  else:
+    mode = _tf_internal.tf_distribution_mode(adapter,
+                                             ReplicaContextAdapter(adapter, tower_context))
+  return _explain_mixing(mode, strategy)
+
+
+_entering = threading.local()  # by_adapter: a StrategyAdapter enters its strategy's scope.
+
+
+_MIXING = "Mixing different tf.distribute.Strategy objects"  # TensorFlow's error text.
+_MIXING_NOTE = "diststrat: a tf.distribute strategy was used inside the scope of "
+
+
+@contextlib.contextmanager
+def _explain_mixing(mode, strategy):
+  """`mode`; TensorFlow's "Mixing different tf.distribute.Strategy objects" error raised
+  inside it gets a note saying what happened and the fix (TensorFlow raises it from its
+  own scope, where diststrat cannot check first)."""
+  with mode:
+    try:
+      yield
+    except RuntimeError as e:
+      if _MIXING in str(e) and not any(
+          _MIXING_NOTE in note for note in getattr(e, "__notes__", ())):
+        errors.add_note(e, (
+            f"{_MIXING_NOTE}diststrat's {strategy!r}, where tf.distribute.get_strategy() "
+            "is diststrat's adapter: the two libraries' strategies do not mix. Enter the "
+            "tf.distribute strategy's scope outside any diststrat scope (and build its "
+            "models there), or use only diststrat's strategies. See docs/keras.md."))
+      raise
 
 
 
@@ -188,6 +226,40 @@ def route_optimizer(optimizer, adapter):
   # Plain instance attribute: Keras's own __setattr__ would try to track it.
   object.__setattr__(optimizer, "apply", apply)
   _routed_optimizers[optimizer] = adapter
+
+
+_routed_trackers = weakref.WeakKeyDictionary()  # Keras loss tracker -> its StrategyAdapter
+
+
+def route_loss_tracker(tracker, adapter):
+  """Weighs a per-output loss tracker's tower updates by the tower's share of the batch.
+
+  Keras updates the "<output>_loss" `Mean` of a multi-output model with the loss
+  computed on the tower's part and `sample_weight` the part's static batch size, which
+  is unknown (None) in a traced step: each tower would then count as one whole step,
+  and the towers' means would be averaged unweighted (wrong on a ragged batch, and N
+  updates per step where one device makes one). In a tower given part of a batch, a
+  missing `sample_weight` becomes the tower's share n_i / B: the towers' updates add up
+  to one update of the batch's mean, as on one device. A static size (eager steps) is
+  the tower's n_i, already right.
+  """
+  if _routed_trackers.get(tracker) is adapter:
+    return
+  tracker_ref = weakref.ref(tracker)
+
+  def update_state(values, sample_weight=None):
+    tracker = tracker_ref()
+    tower = _context.get_tower_context()
+    if sample_weight is None and tower is not None and \
+        tower.distribution_strategy is adapter.diststrat_strategy and \
+        tower.batch_share is not None:
+      sample_weight = tf.cast(tower.batch_share, tf.float32)
+      # A tower without an example holds no loss (0 / 0): it weighs 0 and adds 0.
+      values = tf.where(sample_weight > 0, values, tf.zeros_like(values))
+    return type(tracker).update_state(tracker, values, sample_weight=sample_weight)
+
+  object.__setattr__(tracker, "update_state", update_state)
+  _routed_trackers[tracker] = adapter
 
 
 class SummedGradientsContext:
@@ -335,7 +407,24 @@ class ExtendedAdapter:
     kwargs = dict(kwargs or {})
     kwargs = _wrapped.pack_as(kwargs, [local(x) for x in _wrapped.flatten(kwargs)])
     result = self._ds.update(var, fn, *args, **kwargs)
-    return self._ds.group(result) if group else result
+    return self._grouped(result) if group else result
+
+  def _grouped(self, result):
+    """`update(..., group=True)`'s result: one value per leaf, after every copy's update.
+
+    tf.distribute returns values there, and code uses them (`tf.random.Generator.skip`
+    in cross-replica context slices the state it read): a leaf whose copies are tensors
+    gives its first copy, made to wait for every copy's update; anything else (ops,
+    variables) gives one op that runs them all.
+    """
+    leaves = _wrapped.flatten(result)
+    parts = [self._ds.unwrap(leaf) for leaf in leaves]
+    if not leaves or not all(isinstance(c, tf.Tensor) for p in parts for c in p):
+      return self._ds.group(result)
+    if tf.executing_eagerly():
+      return _wrapped.pack_as(result, [p[0] for p in parts])
+    with tf.control_dependencies([c for p in parts for c in p]):
+      return _wrapped.pack_as(result, [tf.identity(p[0]) for p in parts])
 
   def call_for_each_replica(self, fn, args=(), kwargs=None):
     return self._ds.call_for_each_tower(fn, *args, **(kwargs or {}))
@@ -393,7 +482,66 @@ class StrategyAdapter:
     return self._ds.num_towers
 
   def scope(self):
-    return self._ds.scope()
+    self._check_no_other_strategy("A Keras model (or optimizer, or other tf.distribute-"
+                                  "aware code)")
+    return self._adapter_scope()
+
+  @contextlib.contextmanager
+  def _adapter_scope(self):
+    """The strategy's scope, entered for code that asked the adapter for it.
+
+    That code (a Keras model made under this strategy) runs under this strategy even
+    inside a tf.distribute strategy's scope: the entry for diststrat goes on top of
+    TensorFlow's stack. A user's own `with strategy.scope():` there is refused.
+    """
+    saved = getattr(_entering, "by_adapter", False)
+    _entering.by_adapter = True
+    try:
+      scope = self._ds.scope()
+      scope.__enter__()
+    finally:
+      _entering.by_adapter = saved
+    try:
+      yield self
+    except BaseException as e:
+      if not scope.__exit__(type(e), e, e.__traceback__):
+        raise
+    else:
+      scope.__exit__(None, None, None)
+
+  def _check_no_other_strategy(self, what):
+    """Raises when another diststrat strategy's context is current.
+
+    A Keras model fit inside the scope of a strategy other than its own would otherwise
+    fail entering its own strategy's scope, with a message naming a scope the user
+    never entered.
+    """
+    mode = _context.current_mode()
+    if not _context.has_distribution_strategy() or mode.strategy is self._ds:
+      return
+    raise errors.ContextError(
+        f"{what} created in the scope of {self._ds!r} was used inside "
+        f"{_context.describe_current_context()}: it runs under the strategy it was "
+        "created under, and strategies do not mix. Call fit/evaluate/predict outside any "
+        f"strategy's scope (the model keeps its strategy), or inside the scope of "
+        f"{self._ds!r}; to train under {mode.strategy!r}, build and compile the model "
+        "inside that strategy's scope (move the weights with get_weights()/set_weights() "
+        "or a checkpoint).")
+
+  def _check_jit_compile(self, model):
+    """Refuses `jit_compile=True` where XLA cannot compile the step (several devices)."""
+    if model is None or not getattr(model, "jit_compile", False):
+      return
+    devices = set(self._ds.worker_devices) | set(self._ds.parameter_devices)
+    if len(devices) <= 1:
+      return  # One device: XLA compiles the step as it would without a strategy.
+    raise ValueError(
+        f"The Keras model {model.name!r} was compiled with jit_compile=True, but under "
+        f"{self._ds!r} its step runs on {len(devices)} devices ({self._ds.num_towers} "
+        "towers, each with its own copy or read of the variables), and XLA compiles a "
+        "step for one device: it cannot reach the other devices' variables. Compile it "
+        "with jit_compile=False under this strategy (the default, jit_compile='auto', "
+        "chooses False under a strategy), or train on one device with XLA.")
 
   # --- input ---
 
@@ -442,8 +590,16 @@ class StrategyAdapter:
     """
     del options
     model = getattr(fn, "__self__", None)
+    if hasattr(model, "get_metrics_result"):  # A Keras model's step.
+      self._check_no_other_strategy(f"The Keras model {model.name!r}")  # As in scope().
+      self._check_jit_compile(model)
+    else:
+      self._check_no_other_strategy("A function run by tf.distribute-aware code")
     self._check_model(model)
     route_optimizer(getattr(model, "optimizer", None), self)
+    if _is_train_or_test_step(fn):
+      for tracker in _tf_internal.keras_output_loss_trackers(model):
+        route_loss_tracker(tracker, self)
     devices = self._ds.worker_devices
     first_tower, num_towers = self._ds._batch_split()  # pylint: disable=protected-access
 
@@ -455,7 +611,7 @@ class StrategyAdapter:
 
     structure = (tuple(args), dict(kwargs or {}))
     args, kwargs = _wrapped.pack_as(structure, [split(x) for x in _wrapped.flatten(structure)])
-    with self._ds.scope():
+    with self._adapter_scope():
       # Keras runs its steps without AutoGraph (as on one device): towers do the same.
       step = tf.autograph.experimental.do_not_convert(fn)
       outputs = self._ds.call_for_each_tower(step, *args, **kwargs)

@@ -53,6 +53,7 @@ from diststrat._tf_internal._distribute_stack import tf_distribution_mode as tf_
 from diststrat._tf_internal._functions import call_flat as call_flat
 from diststrat._tf_internal._keras import keras_backing_variable as keras_backing_variable
 from diststrat._tf_internal._keras import keras_optimizer_strategy as keras_optimizer_strategy
+from diststrat._tf_internal._keras import keras_output_loss_trackers as keras_output_loss_trackers
 from diststrat._tf_internal._keras import keras_variable_origin as keras_variable_origin
 from diststrat._tf_internal._tapes import record_backward as record_backward
 from diststrat._tf_internal._tapes import record_variable_read as record_variable_read
@@ -103,7 +104,8 @@ __all__ = [
     "record_backward", "stop_recording", "should_record", "variable_accessed",
     "record_variable_read",
     # Keras
-    "keras_backing_variable", "keras_optimizer_strategy", "keras_variable_origin",
+    "keras_backing_variable", "keras_optimizer_strategy", "keras_output_loss_trackers",
+    "keras_variable_origin",
     # the distribution-mode stack
     "tf_distribution_mode",
     # AutoGraph
