@@ -12,7 +12,7 @@ the job, in the module of its kind:
 | `_thread_state` | the calling thread's device scope, variable creators, control inputs, and whether a `tf.while_loop` body is being built |
 | `_collectives` | collective ops; setting up collectives across processes; a peer's health |
 | `_functions` | calling a traced function with a flat list of tensors |
-| `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path |
+| `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path; its wait for pending eager work |
 | `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components |
 | `_tapes` | recording on gradient tapes |
 | `_keras` | Keras 3 variables and optimizers; which Keras code creates a variable |
@@ -39,7 +39,10 @@ from diststrat._tf_internal._base import TensorFlowInternalsError as TensorFlowI
 from diststrat._tf_internal._cluster_rpc import copy_to_device as copy_to_device
 from diststrat._tf_internal._cluster_rpc import install_error_translator as install_error_translator
 from diststrat._tf_internal._cluster_rpc import probe_tf_server as probe_tf_server
+from diststrat._tf_internal._cluster_rpc import install_sync_hook as install_sync_hook
 from diststrat._tf_internal._cluster_rpc import uninstall_error_translator as uninstall_error_translator
+from diststrat._tf_internal._cluster_rpc import uninstall_sync_hook as uninstall_sync_hook
+from diststrat._tf_internal._cluster_rpc import wait_for_pending_ops as wait_for_pending_ops
 from diststrat._tf_internal._collectives import all_gather_v1 as all_gather_v1
 from diststrat._tf_internal._collectives import all_gather_v2 as all_gather_v2
 from diststrat._tf_internal._collectives import all_reduce_v1 as all_reduce_v1
@@ -88,7 +91,8 @@ __all__ = [
     "call_flat",
     # cluster RPC and TensorFlow's error path
     "probe_tf_server", "copy_to_device", "install_error_translator",
-    "uninstall_error_translator",
+    "uninstall_error_translator", "wait_for_pending_ops", "install_sync_hook",
+    "uninstall_sync_hook",
     # variables
     "ResourceVariableFromHandle", "RESOURCE_METHODS", "READ_METHODS",
     "base_resource_method", "wrap_resource_methods", "shared_name", "unique_id",

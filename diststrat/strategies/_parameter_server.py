@@ -442,6 +442,11 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     return min(var_list, key=lambda v: v.name)
 
   def _read_var(self, v):
+    if self._cluster is not None and tf.executing_eagerly() and not self._cluster.guard.inside():
+      # Each eager read of a PS variable is bounded by step_timeout and returns its
+      # value on this worker (_cluster_runtime/_shared_variables.py): ready, so using
+      # it cannot block on a PS task.
+      return tf.identity(v)
     return self._guarded(f"read_var() of {v.name}", tf.identity, v)
 
   # --- devices ---
