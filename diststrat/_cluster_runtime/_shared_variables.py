@@ -270,8 +270,15 @@ def _acknowledged_write(variable, method, op_name, *tensors):
   returns before the PS task ran it (and a dead task's error surfaces at a later read);
   the acknowledgement is an output on this worker that depends on the write.
   """
-  write = _write_function(variable.device, op_name, variable._local_device)  # pylint: disable=protected-access
-  call = lambda: write(variable.handle, *tensors).numpy()
+  local_device = variable._local_device  # pylint: disable=protected-access
+  write = _write_function(variable.device, op_name, local_device)
+
+  def call():
+    # Called on this worker: under a PS device scope (as in update()), TensorFlow would
+    # run the whole call on the PS task, its output left there.
+    with tf.device(local_device):
+      return write(variable.handle, *tensors).numpy()
+
   if not variable._acknowledged():  # pylint: disable=protected-access
     call()  # In a guarded call, or a tower of one: that call bounds it.
     return
@@ -307,9 +314,15 @@ def _bounded_read(variable, method):
   The read runs in the guard's helper thread; tapes of the calling thread see the
   value as a read of the variable.
   """
-  read = _read_function(variable.device, variable._local_device, variable.dtype)  # pylint: disable=protected-access
-  value = variable._guard.run(lambda: read(variable.handle),  # pylint: disable=protected-access
-                              f"{method.lstrip('_')}() of variable {variable.shared_name!r}")
+  local_device = variable._local_device  # pylint: disable=protected-access
+  read = _read_function(variable.device, local_device, variable.dtype)
+
+  def call():
+    with tf.device(local_device):  # Else, under a PS device scope, the value stays there.
+      return read(variable.handle)
+
+  value = variable._guard.run(  # pylint: disable=protected-access
+      call, f"{method.lstrip('_')}() of variable {variable.shared_name!r}")
   _tf_internal.variable_accessed(variable)
   result = tf.identity(value)
   _tf_internal.record_variable_read(variable, result)
