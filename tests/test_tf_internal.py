@@ -637,6 +637,7 @@ def test_enable_cross_process_collectives_and_check_peer_health():
 
 def test_wait_for_pending_ops(monkeypatch):
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  tf.add(1.0, 1.0)  # The context exists (the wait does nothing before).
   synced = []
   sync_executors = context.context().sync_executors
   monkeypatch.setattr(context.context(), "sync_executors",
@@ -686,6 +687,33 @@ def test_install_sync_hook_and_uninstall_sync_hook(tmp_path):
   assert context.async_wait is original_wait
   second = manager.save()
   assert tf.train.latest_checkpoint(str(tmp_path)) == second != first
+
+
+def test_deferred_checkpoint_value(tmp_path):
+  reads = []
+
+  class Saved(tf.Module):
+
+    def __init__(self):
+      super().__init__()
+      self.variable = tf.Variable(3.0)
+
+    def _serialize_to_tensors(self):
+      def read():
+        reads.append(1)
+        return tf.identity(self.variable)
+      return {"value": _tf_internal.deferred_checkpoint_value(read, tf.float32, CPUS[0])}
+
+    def _restore_from_tensors(self, restored_tensors):
+      self.variable.assign(restored_tensors["value"])
+
+  saved = Saved()
+  path = tf.train.Checkpoint(saved=saved).write(str(tmp_path / "ckpt"))
+  assert reads == [1], _broke("deferred_checkpoint_value", f"a save read it {len(reads)} times")
+  saved.variable.assign(0.0)
+  tf.train.Checkpoint(saved=saved).read(path).assert_consumed()
+  assert reads == [1], _broke("deferred_checkpoint_value", "a restore read it")
+  assert float(saved.variable) == 3.0
 
 
 def test_probe_tf_server():

@@ -146,11 +146,31 @@ class SharedVariable(_tf_internal.ResourceVariableFromHandle):
             and not _in_real_tower())
 
   def _serialize_to_tensors(self):
-    # A checkpoint saves the value read here, eagerly: bounded by step_timeout, and on
-    # this worker, so that writing the checkpoint waits on no PS task.
+    # A save reads the value when it writes the checkpoint (a restore, which builds
+    # the same saver, does not read it): eagerly, bounded by step_timeout and onto this
+    # worker, so that writing the checkpoint waits on no PS task (and this worker
+    # writes its files).
     if self._acknowledged():
-      return {_VARIABLE_VALUE: self.read_value()}
+      return {_VARIABLE_VALUE: _tf_internal.deferred_checkpoint_value(
+          self._read_for_checkpoint, self.dtype, self._local_device)}
     return super()._serialize_to_tensors()
+
+  def _read_for_checkpoint(self):
+    if self._acknowledged():
+      return self.read_value()
+    with tf.device(self.device):  # Called in a graph: TensorFlow's own read.
+      return tf.identity(self.read_value())
+
+  def _restore_from_tensors(self, restored_tensors):
+    # Eagerly, a restore is an acknowledged write like assign(), bounded likewise.
+    value = restored_tensors[_VARIABLE_VALUE]
+    if not self._acknowledged():
+      return super()._restore_from_tensors(restored_tensors)
+    if not self.shape.is_compatible_with(value.shape):
+      raise ValueError(f"Cannot restore variable {self.shared_name!r} of shape "
+                       f"{self.shape} from a checkpoint value of shape {value.shape}.")
+    self.assign(tf.cast(value, self.dtype), read_value=False)
+    return None
 
   def batch_scatter_update(self, sparse_delta, use_locking=False, name=None):
     # TensorFlow writes the handle directly (no wrapped method), so drop cached reads.

@@ -13,7 +13,7 @@ the job, in the module of its kind:
 | `_collectives` | collective ops; setting up collectives across processes; a peer's health |
 | `_functions` | calling a traced function with a flat list of tensors |
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path; its wait for pending eager work |
-| `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components |
+| `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it |
 | `_tapes` | recording on gradient tapes |
 | `_keras` | Keras 3 variables and optimizers; which Keras code creates a variable |
 | `_distribute_stack` | TensorFlow's per-thread distribution-mode stack (`tf.distribute.get_strategy()`) |
@@ -70,6 +70,7 @@ from diststrat._tf_internal._variables import RESOURCE_METHODS as RESOURCE_METHO
 from diststrat._tf_internal._variables import ResourceVariableFromHandle as ResourceVariableFromHandle
 from diststrat._tf_internal._variables import base_resource_method as base_resource_method
 from diststrat._tf_internal._variables import copy_trackable_to_cpu as copy_trackable_to_cpu
+from diststrat._tf_internal._variables import deferred_checkpoint_value as deferred_checkpoint_value
 from diststrat._tf_internal._variables import dense_var_to_tensor as dense_var_to_tensor
 from diststrat._tf_internal._variables import distributed_container as distributed_container
 from diststrat._tf_internal._variables import export_to_saved_model_graph as export_to_saved_model_graph
@@ -98,7 +99,7 @@ __all__ = [
     "base_resource_method", "wrap_resource_methods", "shared_name", "unique_id",
     "in_graph_mode", "dense_var_to_tensor", "copy_trackable_to_cpu",
     "export_to_saved_model_graph", "write_object_proto", "set_distributed_container",
-    "distributed_container",
+    "distributed_container", "deferred_checkpoint_value",
     # tapes
     "record_backward", "stop_recording", "should_record", "variable_accessed",
     "record_variable_read",
