@@ -8,6 +8,7 @@ from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _context
 from diststrat import _devices
+from diststrat import _tf_internal
 from diststrat import cross_tower_ops
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
@@ -330,7 +331,19 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
           "it runs a whole step, so call it from the cross-tower context or outside any "
           "strategy, and call call_for_each_tower() inside the step.")
     name = getattr(fn, "__name__", type(fn).__name__)
-    return self._guarded(f"step {next(self._steps)} ({name})", fn, *args, **kwargs)
+    if self._cluster is None:
+      return self._guarded(f"step {next(self._steps)} ({name})", fn, *args, **kwargs)
+
+    def acknowledged_step(*args, **kwargs):
+      result = fn(*args, **kwargs)
+      if tf.executing_eagerly():
+        # A tf.function's remote writes may still be on their way to the PS tasks when
+        # it returns: the step returns once they are done (or raises their error).
+        _tf_internal.wait_for_pending_ops()
+      return result
+
+    return self._guarded(f"step {next(self._steps)} ({name})", acknowledged_step, *args,
+                         **kwargs)
 
   def _guarded(self, what, fn, *args, **kwargs):
     """`fn(*args, **kwargs)`; in cluster mode, eagerly, bounded by `step_timeout`.
@@ -497,6 +510,11 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     return min(var_list, key=lambda v: v.name)
 
   def _read_var(self, v):
+    if self._cluster is not None and tf.executing_eagerly() and not self._cluster.guard.inside():
+      # Each eager read of a PS variable is bounded by step_timeout and returns its
+      # value on this worker (_cluster_runtime/_shared_variables.py): ready, so using
+      # it cannot block on a PS task.
+      return tf.identity(v)
     return self._guarded(f"read_var() of {v.name}", tf.identity, v)
 
   # --- devices ---
