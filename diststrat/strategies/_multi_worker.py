@@ -1,5 +1,7 @@
 """`MultiWorkerMirroredStrategy`: synchronous data parallelism across worker processes."""
 
+from typing import Any, Optional, Sequence
+
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
@@ -60,9 +62,11 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
         model = ...
   """
 
-  def __init__(self, cluster_spec=None, task_type="worker", task_id=0, devices=None,
-               cross_worker_ops=None, collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
-               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT):
+  def __init__(self, cluster_spec: Optional[Any] = None, task_type: str = "worker",
+               task_id: int = 0, devices: Optional[Sequence[str]] = None,
+               cross_worker_ops: Optional[Any] = None,
+               collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+               tower_timeout: float = _tower_threads.DEFAULT_TOWER_TIMEOUT) -> None:
     collective_timeout = _arguments.seconds("collective_timeout", collective_timeout,
                                             allow_none=False)
     _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)  # Before starting.

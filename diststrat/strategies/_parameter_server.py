@@ -1,5 +1,7 @@
 """`ParameterServerStrategy`: variables live once, on parameter devices; towers on workers."""
 
+from typing import Any, Callable, Optional, Sequence, Union
+
 import contextlib
 import itertools
 import numbers
@@ -179,11 +181,15 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
       loss = s.run_step(train_step, batch)     # ClusterError if a PS task dies or freezes
   """
 
-  def __init__(self, worker_devices=None, ps_devices=None, cluster_spec=None,
-               task_type="worker", task_id=0, variable_placement="least_loaded",
-               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT,
-               step_timeout=DEFAULT_STEP_TIMEOUT, cache_reads=None,
-               cache_reads_max_bytes=_read_cache.DEFAULT_MAX_BYTES):
+  def __init__(self, worker_devices: Optional[Sequence[str]] = None,
+               ps_devices: Optional[Sequence[str]] = None,
+               cluster_spec: Optional[Any] = None, task_type: str = "worker",
+               task_id: int = 0,
+               variable_placement: Union[str, Callable[..., str]] = "least_loaded",
+               tower_timeout: float = _tower_threads.DEFAULT_TOWER_TIMEOUT,
+               step_timeout: Optional[float] = DEFAULT_STEP_TIMEOUT,
+               cache_reads: Optional[bool] = None,
+               cache_reads_max_bytes: int = _read_cache.DEFAULT_MAX_BYTES) -> None:
     super().__init__()
     source = None
     if cluster_spec is None and ps_devices is None:
@@ -295,7 +301,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
                        f"{self!r} runs in one process).")
     self._cluster.guard.timeout = seconds
 
-  def run_step(self, fn, *args, **kwargs):
+  def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Runs one training step, `fn(*args, **kwargs)`, and returns its result.
 
     In cluster mode the step runs under the watchdog: in a helper thread that the
@@ -363,7 +369,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
 
     return guard.run(call, what)
 
-  def reconnect(self):
+  def reconnect(self) -> None:
     """Connects this worker to the cluster again, after a PS task was restarted.
 
     A restarted PS task starts empty, and TensorFlow refuses to talk to it over the old
