@@ -119,15 +119,17 @@ class _Job:
 class _HelperThread:
   """A daemon thread that runs guarded calls one at a time until abandoned."""
 
-  def __init__(self, guard, name):
+  def __init__(self, guard, name, jobs=None):
     self.jobs = queue.Queue()
     self.abandoned = False
+    self.busy = False  # Set by the caller that queues a job, cleared when it is done.
+    self._left = jobs  # Jobs to run before ending; None: until abandoned.
     self.thread = threading.Thread(target=self._main, args=(guard,), name=name, daemon=True)
     self.thread.start()
 
   def _main(self, guard):
     guard._local.inside = True  # pylint: disable=protected-access
-    while not self.abandoned:
+    while not self.abandoned and self._left != 0:
       try:
         job = self.jobs.get(timeout=1.0)
       except queue.Empty:
@@ -137,6 +139,9 @@ class _HelperThread:
       except BaseException as e:  # pylint: disable=broad-except
         job.error = e
       finally:
+        if self._left is not None:
+          self._left -= 1
+        self.busy = False
         job.done.set()
 
 
@@ -190,6 +195,17 @@ class StepGuard:
     """Forgets the fault seen: called when connecting again."""
     self._failure = None
 
+  def wait_for(self, wait, what="waiting for the operations sent to the cluster"):
+    """`wait()` (TensorFlow's wait for pending eager work) bounded, faults as `ClusterError`.
+
+    Installed as the process's sync hook (`_tf_internal.install_sync_hook`): checkpoint
+    saves and `context.async_wait()` wait through it. Once a task failed, TensorFlow's
+    wait can block forever, so it raises `ClusterError` at once until `clear_failure()`.
+    """
+    if tf.executing_eagerly() and not self.inside():
+      self.check_healthy(what)
+    return self.run(wait, what)
+
   @property
   def timeout(self):
     return self._timeout
@@ -224,6 +240,11 @@ class StepGuard:
       if self._helper is None:
         self._helper = _HelperThread(self, name=f"diststrat-step-{id(self):x}")
       helper = self._helper
+      if helper.busy:
+        # Another thread's call holds the helper (a step, while this thread reads a
+        # variable): this call gets a thread of its own, which ends after it.
+        helper = _HelperThread(self, name=f"diststrat-call-{id(self):x}", jobs=1)
+      helper.busy = True
     helper.jobs.put(job)
     start = time.monotonic()
     probes = None
@@ -356,7 +377,7 @@ class StepGuard:
                 "seconds).")
     raise errors.ClusterError(
         f"{what} of {self._name} did not finish within step_timeout={self.timeout:g} s, "
-        f"{cause}. The step was abandoned: its thread stays blocked in TensorFlow and "
+        f"{cause}. It was abandoned: its thread stays blocked in TensorFlow and "
         f"may still apply its updates if the task comes back. {advice}", task=task)
 
   # --- probes ---

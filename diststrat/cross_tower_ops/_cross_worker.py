@@ -17,6 +17,8 @@ reductions in the same order (the same program does): collective instances are m
 across processes by the order in which they are built.
 """
 
+from typing import Any, Optional, Sequence
+
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat.cross_tower_ops import _base
@@ -63,8 +65,9 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
 
   _one_value_is_the_total = False  # Other workers hold values too.
 
-  def __init__(self, scheme="hierarchical", num_packs=1, timeout=DEFAULT_TIMEOUT,
-               bucket_bytes=DEFAULT_BUCKET_BYTES):
+  def __init__(self, scheme: str = "hierarchical", num_packs: int = 1,
+               timeout: float = DEFAULT_TIMEOUT,
+               bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES) -> None:
     super().__init__()
     if scheme not in SCHEMES:
       raise ValueError(f"scheme must be one of {', '.join(map(repr, SCHEMES))}. Received: "
@@ -97,7 +100,8 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     return (f"CrossWorkerAllReduce(scheme={self._scheme!r}, num_packs={self._num_packs}"
             f"{buckets})")
 
-  def bind(self, local_devices, all_devices, worker_index, num_workers):
+  def bind(self, local_devices: Sequence[str], all_devices: Sequence[str],
+           worker_index: int, num_workers: int) -> "CrossWorkerAllReduce":
     """Binds this to a cluster. Called by the strategy; every worker binds the same way.
 
     Args:
@@ -168,7 +172,7 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
 
   # --- what the strategy calls besides reductions ---
 
-  def broadcast_from_chief(self, tensor):
+  def broadcast_from_chief(self, tensor: tf.Tensor) -> tf.Tensor:
     """`tensor` as worker 0 has it, in every worker (on this worker's first device).
 
     Built as a sum to which the other workers add zeros, so it needs no extra kind of
@@ -188,7 +192,7 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
       return tf.function(build, autograph=False)(tensor)
     return build(tensor)
 
-  def gather(self, per_device_value, axis):
+  def gather(self, per_device_value: Any, axis: int) -> tf.Tensor:
     """Every tower's value of every worker, concatenated along `axis` in tower order."""
     local, _, _, _ = self._bound()
 
