@@ -19,7 +19,8 @@ whole step in one tf.function. Two figures per contender:
     blocks interleaved and their order reversed every round;
   - first call: seconds to build the model and run the first step (tracing the step and
     running it once), after every contender has run a tiny model once so that no first
-    call pays the process's one-time costs.
+    call pays the process's one-time costs; 3 times per contender, each a new model, the
+    contenders' order reversed each time; the median.
 
 Ratios are against tf.distribute's default in the same process. One process per N
 because tf.distribute keeps one collective group per process, and the logical devices
@@ -53,6 +54,9 @@ flags.DEFINE_bool("quick", False, "A short smoke run (2 rounds of 3 steps).")
 flags.DEFINE_list("devices", ["1", "2", "4", "8"], "Device counts, one process each.")
 flags.DEFINE_integer("rounds", None, "Timed blocks per contender (default 7; 2 with --quick).")
 flags.DEFINE_integer("steps", None, "Steps per timed block (default 10; 3 with --quick).")
+flags.DEFINE_integer("first_calls", None,
+                     "First calls timed per contender, each a new model and trace, the order "
+                     "alternating (default 3; 1 with --quick).")
 flags.DEFINE_integer("group", None, "Internal: measure this device count in this process.")
 FLAGS = flags.FLAGS
 
@@ -157,7 +161,7 @@ def contenders(tf, devices, values):
 # --- measurement ---------------------------------------------------------------------------
 
 
-def run_group(n, rounds, steps):
+def run_group(n, rounds, steps, first_calls):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   devices = _common.configure_devices(n)[:n]
   sync = lambda: tf.constant(0.0).numpy()  # Waits for the queued work (GPUs).
@@ -169,15 +173,21 @@ def run_group(n, rounds, steps):
     step, args, _ = builder()
     step(*args)
   sync()
-  entries = []
-  for label, library, builder in contenders(tf, devices, _mlp.initial_values()):
-    start = time.perf_counter()
-    step, args, reduction = builder()
-    step(*args)
-    sync()
-    entries.append({"label": label, "library": library, "reduction": reduction,
-                    "first_call_s": time.perf_counter() - start, "step": step, "args": args,
-                    "step_ms": []})
+  entries = [{"label": label, "library": library, "builder": builder, "first_call_s": []}
+             for label, library, builder in contenders(tf, devices, _mlp.initial_values())]
+  # First calls: each contender builds and traces a new model `first_calls` times, the
+  # order reversed each time (so no contender is always the first after the warm-up);
+  # the last model built is the one timed below.
+  for r in range(first_calls):
+    for e in entries if r % 2 == 0 else list(reversed(entries)):
+      start = time.perf_counter()
+      e["step"], e["args"], e["reduction"] = e["builder"]()
+      e["step"](*e["args"])
+      sync()
+      e["first_call_s"].append(time.perf_counter() - start)
+  for e in entries:
+    del e["builder"]
+    e["step_ms"] = []
   for e in entries:  # Warm up every contender before timing any.
     for _ in range(3):
       e["step"](*e["args"])
@@ -192,13 +202,14 @@ def run_group(n, rounds, steps):
   for e in entries:
     del e["step"], e["args"]
     e["step_ms"] = _mlp.summarize(e["step_ms"])
+    e["first_call_s"] = _mlp.summarize(e["first_call_s"])
     e["devices"] = n
   return entries
 
 
-def run_in_subprocess(n, rounds, steps):
+def run_in_subprocess(n, rounds, steps, first_calls):
   cmd = [sys.executable, os.path.abspath(__file__), "--group", str(n), "--rounds", str(rounds),
-         "--steps", str(steps)]
+         "--steps", str(steps), "--first_calls", str(first_calls)]
   out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
   if out.returncode != 0:
     raise RuntimeError(f"benchmark group {n} failed:\n{out.stderr[-3000:]}")
@@ -207,7 +218,7 @@ def run_in_subprocess(n, rounds, steps):
 
 def print_table(entries):
   print("\n### MLP 784-1024-1024-10, global batch 256: step time (ms, median, min-max over "
-        "blocks) and first call (s), by device count\n")
+        "blocks) and first call (s, median, min-max), by device count\n")
   print("| devices | contender | reduction | step (ms) | step vs tf.distribute default | "
         "first call (s) | first call vs tf.distribute default |")
   print("|---|---|---|---|---|---|---|")
@@ -217,10 +228,12 @@ def print_table(entries):
     for e in rows:
       t = e["step_ms"]
       e["step_vs_tf_default"] = t["median"] / ref["step_ms"]["median"]
-      e["first_call_vs_tf_default"] = e["first_call_s"] / ref["first_call_s"]
+      f = e["first_call_s"]
+      e["first_call_vs_tf_default"] = f["median"] / ref["first_call_s"]["median"]
       print(f"| {n} | {e['label']} | {e['reduction']} | {t['median']:.1f} "
             f"({t['min']:.1f}-{t['max']:.1f}) | {e['step_vs_tf_default']:.2f}x | "
-            f"{e['first_call_s']:.2f} | {e['first_call_vs_tf_default']:.2f}x |")
+            f"{f['median']:.2f} ({f['min']:.2f}-{f['max']:.2f}) | "
+            f"{e['first_call_vs_tf_default']:.2f}x |")
   sys.stdout.flush()
 
 
@@ -228,15 +241,16 @@ def main(argv):
   del argv  # Flags only.
   rounds = FLAGS.rounds or (2 if FLAGS.quick else 7)
   steps = FLAGS.steps or (3 if FLAGS.quick else 10)
+  first_calls = FLAGS.first_calls or (1 if FLAGS.quick else 3)
   if FLAGS.group:
-    print(json.dumps(run_group(FLAGS.group, rounds, steps)))
+    print(json.dumps(run_group(FLAGS.group, rounds, steps, first_calls)))
     return
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   report = {"tensorflow": tf.__version__, "rounds": rounds, "steps_per_block": steps,
-            "command": " ".join(sys.argv), "results": []}
+            "first_calls": first_calls, "command": " ".join(sys.argv), "results": []}
   for n in [int(n) for n in FLAGS.devices]:
     start = time.perf_counter()
-    report["results"].extend(run_in_subprocess(n, rounds, steps))
+    report["results"].extend(run_in_subprocess(n, rounds, steps, first_calls))
     print(f"{n} device(s): {time.perf_counter() - start:.0f} s", flush=True)
   print_table(report["results"])
   _common.write_report(report, FLAGS.out)
