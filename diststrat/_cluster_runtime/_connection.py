@@ -185,8 +185,10 @@ class ClusterConnection:
     self.guard = _watchdog.StepGuard(self.ps_tasks, _watchdog.probe_with_an_op,
                                      step_timeout, name)
     self.names = _shared_variables.SharedNames()
-    # From now on, a task's death raised by any op of this process names the task.
+    # From now on, a task's death raised by any op of this process names the task, and
+    # TensorFlow's waits for pending eager work (checkpoint saves) are bounded too.
     _tf_internal.install_error_translator(_watchdog.translate_error)
+    _tf_internal.install_sync_hook(self.guard.wait_for)
     self.connect()
 
   def connect(self):

@@ -3,6 +3,8 @@
 - A Keras 3 variable holds its TensorFlow variable in `_value`
   (`keras_backing_variable`); a Keras optimizer keeps the tf.distribute strategy it was
   created under in `_distribution_strategy` (`keras_optimizer_strategy`).
+- A compiled model's per-output loss trackers live on its `_compile_loss`
+  (`keras_output_loss_trackers`).
 - Which Keras code is creating a variable (layer state, a random seed's state) is told
   by no argument of the variable creator; the creating frames say it
   (`keras_variable_origin`).
@@ -35,6 +37,18 @@ def keras_optimizer_strategy(optimizer):
   public accessor for it.
   """
   return getattr(optimizer, "_distribution_strategy", None)
+
+
+def keras_output_loss_trackers(model):
+  """The `keras.metrics.Mean` trackers of a compiled Keras 3 model's per-output losses.
+
+  Keras keeps them on the model's `_compile_loss` (a `CompileLoss`, built on the first
+  step); they are the "<output>_loss" entries of the logs. No public accessor tells them
+  from the model's other metrics. Empty when the model has none (one output, not
+  compiled, not built yet).
+  """
+  compile_loss = getattr(model, "_compile_loss", None)
+  return list(getattr(compile_loss, "metrics", None) or [])
 
 
 # Where Keras 3 (TensorFlow backend) makes the tf.Variable behind a `keras.Variable`, and

@@ -1,5 +1,7 @@
 """`MirroredStrategy`: data parallelism over the devices of one machine."""
 
+from typing import Any, Optional, Sequence
+
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
@@ -80,8 +82,9 @@ class MirroredStrategy(DistributionStrategy):
     6.0
   """
 
-  def __init__(self, devices=None, cross_tower_ops=None,
-               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT):
+  def __init__(self, devices: Optional[Sequence[str]] = None,
+               cross_tower_ops: Optional[Any] = None,
+               tower_timeout: float = _tower_threads.DEFAULT_TOWER_TIMEOUT) -> None:
     super().__init__()
     tower_timeout = _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)
     if devices is None:

@@ -1,5 +1,7 @@
 """`MultiWorkerMirroredStrategy`: synchronous data parallelism across worker processes."""
 
+from typing import Any, Optional, Sequence
+
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
@@ -47,7 +49,8 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
     cross_worker_ops: a `diststrat.cross_tower_ops.CrossWorkerAllReduce` (scheme,
       packing, timeout). Default: `CrossWorkerAllReduce("hierarchical",
       timeout=collective_timeout)`.
-    collective_timeout: seconds a collective waits for the other workers.
+    collective_timeout: seconds a call that runs collectives (a step) may wait for the
+      other workers; a watchdog thread enforces it (docs/multi_worker.md, "Faults").
     tower_timeout: as for `MirroredStrategy`.
 
   Example (in each worker process, e.g. run by `LocalCluster.run_on_workers`)::
@@ -59,9 +62,11 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
         model = ...
   """
 
-  def __init__(self, cluster_spec=None, task_type="worker", task_id=0, devices=None,
-               cross_worker_ops=None, collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
-               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT):
+  def __init__(self, cluster_spec: Optional[Any] = None, task_type: str = "worker",
+               task_id: int = 0, devices: Optional[Sequence[str]] = None,
+               cross_worker_ops: Optional[Any] = None,
+               collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+               tower_timeout: float = _tower_threads.DEFAULT_TOWER_TIMEOUT) -> None:
     collective_timeout = _arguments.seconds("collective_timeout", collective_timeout,
                                             allow_none=False)
     _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)  # Before starting.
@@ -89,7 +94,8 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
                                                      with_ps=False), source)
       self._cluster_spec = spec
       name = f"MultiWorkerMirroredStrategy of /job:{task_type}/replica:0/task:{task_id}"
-      self._group = _worker_group.WorkerGroup(spec, task_type, task_id, name)
+      self._group = _worker_group.WorkerGroup(spec, task_type, task_id, name,
+                                              collective_timeout=cross_worker_ops.timeout)
       local = (_devices.canonicalize_all(devices, default=self._group.local_task)
                if devices else self._group.local_devices())
       every = self._group.devices_of_every_worker(local)

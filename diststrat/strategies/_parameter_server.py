@@ -1,5 +1,7 @@
 """`ParameterServerStrategy`: variables live once, on parameter devices; towers on workers."""
 
+from typing import Any, Callable, Optional, Sequence, Union
+
 import contextlib
 import itertools
 import numbers
@@ -8,6 +10,7 @@ from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _context
 from diststrat import _devices
+from diststrat import _tf_internal
 from diststrat import cross_tower_ops
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
@@ -178,11 +181,15 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
       loss = s.run_step(train_step, batch)     # ClusterError if a PS task dies or freezes
   """
 
-  def __init__(self, worker_devices=None, ps_devices=None, cluster_spec=None,
-               task_type="worker", task_id=0, variable_placement="least_loaded",
-               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT,
-               step_timeout=DEFAULT_STEP_TIMEOUT, cache_reads=None,
-               cache_reads_max_bytes=_read_cache.DEFAULT_MAX_BYTES):
+  def __init__(self, worker_devices: Optional[Sequence[str]] = None,
+               ps_devices: Optional[Sequence[str]] = None,
+               cluster_spec: Optional[Any] = None, task_type: str = "worker",
+               task_id: int = 0,
+               variable_placement: Union[str, Callable[..., str]] = "least_loaded",
+               tower_timeout: float = _tower_threads.DEFAULT_TOWER_TIMEOUT,
+               step_timeout: Optional[float] = DEFAULT_STEP_TIMEOUT,
+               cache_reads: Optional[bool] = None,
+               cache_reads_max_bytes: int = _read_cache.DEFAULT_MAX_BYTES) -> None:
     super().__init__()
     source = None
     if cluster_spec is None and ps_devices is None:
@@ -294,7 +301,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
                        f"{self!r} runs in one process).")
     self._cluster.guard.timeout = seconds
 
-  def run_step(self, fn, *args, **kwargs):
+  def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Runs one training step, `fn(*args, **kwargs)`, and returns its result.
 
     In cluster mode the step runs under the watchdog: in a helper thread that the
@@ -330,7 +337,19 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
           "it runs a whole step, so call it from the cross-tower context or outside any "
           "strategy, and call call_for_each_tower() inside the step.")
     name = getattr(fn, "__name__", type(fn).__name__)
-    return self._guarded(f"step {next(self._steps)} ({name})", fn, *args, **kwargs)
+    if self._cluster is None:
+      return self._guarded(f"step {next(self._steps)} ({name})", fn, *args, **kwargs)
+
+    def acknowledged_step(*args, **kwargs):
+      result = fn(*args, **kwargs)
+      if tf.executing_eagerly():
+        # A tf.function's remote writes may still be on their way to the PS tasks when
+        # it returns: the step returns once they are done (or raises their error).
+        _tf_internal.wait_for_pending_ops()
+      return result
+
+    return self._guarded(f"step {next(self._steps)} ({name})", acknowledged_step, *args,
+                         **kwargs)
 
   def _guarded(self, what, fn, *args, **kwargs):
     """`fn(*args, **kwargs)`; in cluster mode, eagerly, bounded by `step_timeout`.
@@ -350,7 +369,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
 
     return guard.run(call, what)
 
-  def reconnect(self):
+  def reconnect(self) -> None:
     """Connects this worker to the cluster again, after a PS task was restarted.
 
     A restarted PS task starts empty, and TensorFlow refuses to talk to it over the old
@@ -389,6 +408,9 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     # tf.function: it lives on a PS task beyond any one trace.
     with tf.init_scope() if self._cluster is not None else contextlib.nullcontext():
       kwargs = dict(kwargs)
+      if self._cluster is not None and \
+          kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
+        return self._create_worker_local_variable(next_creator, kwargs)
       if colocate_with is not None:
         device = _wrapped.devices_of(colocate_with)[0]
       else:
@@ -397,6 +419,19 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
                                     kwargs["initial_value"].dtype)
       return self._wrap_if_written_in_towers(
           self._make_variable(device, next_creator, kwargs), device, kwargs)
+
+  def _create_worker_local_variable(self, next_creator, kwargs):
+    """A tower-local variable (ON_READ: Keras metrics) of this worker process, in cluster mode.
+
+    Its state is this worker's, as under tf.distribute: shared on a PS task, another
+    worker's resets and updates would land in this worker's metrics (SPEC section 9).
+    It is a plain variable on this worker's first device, written by every tower (the
+    towers' values add up, as a parameter-device variable's do in one process), never
+    shared with the other workers, and saved by checkpoints as this worker's value.
+    """
+    with tf.device(self._worker_devices_tuple[0]):
+      kwargs["initial_value"] = _arguments.initial_value_tensor(kwargs)
+      return _variables.mark_created_by(next_creator(**kwargs), self)
 
   def _wrap_if_written_in_towers(self, variable, device, kwargs):
     """`variable`, or a one-copy `MirroredVariable` of it if towers write it as one.
@@ -481,6 +516,11 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     return min(var_list, key=lambda v: v.name)
 
   def _read_var(self, v):
+    if self._cluster is not None and tf.executing_eagerly() and not self._cluster.guard.inside():
+      # Each eager read of a PS variable is bounded by step_timeout and returns its
+      # value on this worker (_cluster_runtime/_shared_variables.py): ready, so using
+      # it cannot block on a PS task.
+      return tf.identity(v)
     return self._guarded(f"read_var() of {v.name}", tf.identity, v)
 
   # --- devices ---
