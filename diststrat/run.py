@@ -128,6 +128,17 @@ def _positive(least):
   return parse
 
 
+def _seconds(text):
+  try:
+    value = float(text)
+  except ValueError:
+    value = None
+  if value is None or not value > 0:
+    raise argparse.ArgumentTypeError(f"must be a positive number of seconds. Received: "
+                                     f"{text!r}")
+  return value
+
+
 def _parser():
   parser = argparse.ArgumentParser(
       prog="diststrat-run",
@@ -155,7 +166,7 @@ def _parser():
   parser.add_argument("--port-base", type=_positive(1), default=None,
                       help="first port of this host's tasks (default: free ports on one "
                       f"host, {DEFAULT_PORT_BASE} with --hosts)")
-  parser.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT,
+  parser.add_argument("--start-timeout", type=_seconds, default=DEFAULT_START_TIMEOUT,
                       help="seconds a parameter server may take to start")
   parser.add_argument("script", help="the Python program each worker runs")
   parser.add_argument("script_args", nargs=argparse.REMAINDER,
