@@ -474,17 +474,21 @@ def test_a_killed_worker_restarts_the_job_which_resumes_from_its_checkpoint(tmp_
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 def test_a_job_on_hosts_runs_and_says_it_is_not_isolated(tmp_path):
   script = _write(tmp_path, "hello.py", """
-      import json, os
+      import json, os, sys
       config = json.loads(os.environ["TF_CONFIG"])
       print("task", config["task"]["type"], config["task"]["index"], config["cluster"])
+      # Run as `python hello.py a b` would be; the launcher imported nothing into it.
+      print("argv", sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)),
+            __name__, [m for m in sys.modules if m.startswith(("diststrat", "tensorflow"))])
       """)
   base = _free_port_base(2)
   proc = _launch(["--workers", "2", "--hosts", "127.0.0.1", "--task-index", "0",
-                  "--port-base", str(base), str(script)], tmp_path)
+                  "--port-base", str(base), str(script), "a", "b"], tmp_path)
   assert proc.returncode == 0, proc.stderr[-4000:]
   spec = {"worker": [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]}
   for i in range(2):
     assert f"[worker:{i}] task worker {i} {spec}" in proc.stdout
+    assert f"[worker:{i}] argv [{str(script)!r}, 'a', 'b'] True __main__ []" in proc.stdout
   assert "a job across machines (--hosts) cannot run in a private network" in proc.stderr
 
 
