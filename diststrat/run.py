@@ -128,6 +128,17 @@ def _positive(least):
   return parse
 
 
+def _seconds(text):
+  try:
+    value = float(text)
+  except ValueError:
+    value = None
+  if value is None or not value > 0:
+    raise argparse.ArgumentTypeError(f"must be a positive number of seconds. Received: "
+                                     f"{text!r}")
+  return value
+
+
 def _parser():
   parser = argparse.ArgumentParser(
       prog="diststrat-run",
@@ -155,7 +166,7 @@ def _parser():
   parser.add_argument("--port-base", type=_positive(1), default=None,
                       help="first port of this host's tasks (default: free ports on one "
                       f"host, {DEFAULT_PORT_BASE} with --hosts)")
-  parser.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT,
+  parser.add_argument("--start-timeout", type=_seconds, default=DEFAULT_START_TIMEOUT,
                       help="seconds a parameter server may take to start")
   parser.add_argument("script", help="the Python program each worker runs")
   parser.add_argument("script_args", nargs=argparse.REMAINDER,
@@ -250,7 +261,7 @@ class _Output:
 class _Task:
   """One task's process (in its own process group) and the threads copying its output."""
 
-  def __init__(self, task_type, task_id, env, prologue, argv_tail):
+  def __init__(self, task_type, task_id, env, code, argv_tail):
     self.task_type, self.task_id = task_type, task_id
     self.name = _name(task_type, task_id)
     self.ready_read = None
@@ -261,7 +272,7 @@ class _Task:
       pass_fds = (ready_write,)
     try:
       self.process = subprocess.Popen(
-          [sys.executable, "-c", prologue] + argv_tail, env=env, stdin=subprocess.DEVNULL,
+          [sys.executable, "-c", code] + argv_tail, env=env, stdin=subprocess.DEVNULL,
           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
           pass_fds=pass_fds)
     finally:
@@ -357,15 +368,14 @@ class _Job:
     mine = tasks_of_host(options.host_index, options.num_ps, options.num_workers)
     self._check_ports_free(spec, mine)
     holder = None if self._namespace is None else self._namespace.holder_pid
-    prologue = _task.prologue(holder)
     deadline = time.monotonic() + options.start_timeout
     for task_type, task_id in mine:
       if task_type == "ps":
-        tail = [_task.SERVE]
+        code, tail = _task.ps_code(holder), []
       else:
-        tail = [_task.SCRIPT, options.script] + options.script_args
+        code, tail = _task.worker_code(holder), [options.script] + options.script_args
       task = _Task(task_type, task_id, self._environment(spec, task_type, task_id),
-                   prologue, tail)
+                   code, tail)
       self.tasks.append(task)
       if task_type == "ps":  # Workers start once every PS of this host serves.
         task.wait_ready(deadline, options.start_timeout)

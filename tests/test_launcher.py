@@ -474,37 +474,71 @@ def test_a_killed_worker_restarts_the_job_which_resumes_from_its_checkpoint(tmp_
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 def test_a_job_on_hosts_runs_and_says_it_is_not_isolated(tmp_path):
   script = _write(tmp_path, "hello.py", """
-      import json, os
+      import json, os, sys
       config = json.loads(os.environ["TF_CONFIG"])
       print("task", config["task"]["type"], config["task"]["index"], config["cluster"])
+      # Run as `python hello.py a b` would be; the launcher imported nothing into it.
+      print("argv", sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)),
+            __name__, [m for m in sys.modules if m.startswith(("diststrat", "tensorflow"))])
       """)
   base = _free_port_base(2)
   proc = _launch(["--workers", "2", "--hosts", "127.0.0.1", "--task-index", "0",
-                  "--port-base", str(base), str(script)], tmp_path)
+                  "--port-base", str(base), str(script), "a", "b"], tmp_path)
   assert proc.returncode == 0, proc.stderr[-4000:]
   spec = {"worker": [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]}
   for i in range(2):
     assert f"[worker:{i}] task worker {i} {spec}" in proc.stdout
+    assert f"[worker:{i}] argv [{str(script)!r}, 'a', 'b'] True __main__ []" in proc.stdout
   assert "a job across machines (--hosts) cannot run in a private network" in proc.stderr
 
 
 # --- bad launches: fast, named, nothing left ------------------------------------------
 
 
-@pytest.mark.timeout(90)
-def test_a_script_that_does_not_exist(tmp_path):
-  proc = _launch(["--workers", "2", "missing.py"], tmp_path, timeout=60)
-  assert proc.returncode == 2
-  assert "The script 'missing.py' does not exist" in proc.stderr
-  assert "no task was started" in proc.stderr
+# In this process (`launcher.run`, the console script's body): no TensorFlow import to wait
+# for, and nothing is started.
 
 
-@pytest.mark.timeout(90)
-def test_zero_workers_is_a_usage_error(tmp_path):
+def test_a_script_that_does_not_exist(tmp_path, monkeypatch, capfd):
+  monkeypatch.chdir(tmp_path)
+  assert launcher.run(["--workers", "2", "missing.py"]) == 2
+  err = capfd.readouterr().err
+  assert "The script 'missing.py' does not exist" in err and "no task was started" in err
+
+
+def test_zero_workers_is_a_usage_error(tmp_path, capfd):
   script = _write(tmp_path, "ok.py", "print('hi')\n")
-  proc = _launch(["--workers", "0", str(script)], tmp_path, timeout=60)
-  assert proc.returncode == 2
-  assert "--workers: must be an integer >= 1. Received: '0'" in proc.stderr
+  with pytest.raises(SystemExit) as info:
+    launcher.run(["--workers", "0", str(script)])
+  assert info.value.code == 2
+  assert "--workers: must be an integer >= 1. Received: '0'" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--task-index", "1"], "--task-index applies to a job across machines"),
+    (["--hosts", "a,b", "--task-index", "2"], "must be from 0 to 1. Received: --task-index 2"),
+    (["--hosts", "a,a", "--task-index", "0"], "a host can be named once only"),
+])
+def test_bad_host_options(tmp_path, capfd, args, match):
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  assert launcher.run(["--workers", "1", *args, str(script)]) == 2
+  assert match in capfd.readouterr().err
+
+
+def test_a_taken_port(tmp_path, capfd):
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    status = launcher.run(["--workers", "2", "--no-isolate", "--port-base", str(port - 1),
+                           str(script)])
+  out, err = capfd.readouterr()
+  assert status == 1, err
+  assert (f"The port of task worker:1 (127.0.0.1:{port}) is taken by another process"
+          in err)
+  assert "--no-isolate: the TensorFlow servers of the job's tasks listen on every" in err
+  assert "[worker:" not in out + err  # Nothing started.
 
 
 @pytest.mark.timeout(120)

@@ -120,17 +120,20 @@ def normalize_cluster_spec(cluster_spec, task_type, task_id, with_ps=True):
   return spec
 
 
-def wait_for_ps_tasks(cluster_spec, timeout, poll=0.5):
-  """Waits until every PS task of `cluster_spec` answers, at most `timeout` seconds.
+def wait_for_servers(addresses, timeout, poll=0.5):
+  """Waits until the TensorFlow server at each of `addresses` answers, at most `timeout` s.
 
-  For processes started all at once (Slurm, Kubernetes), where a worker may come up
-  before its parameter servers: a task that refuses connections is asked again. Returns
-  when all answer or the time is up (the connection then names the task that does not).
+  For tasks started independently (`diststrat-run`, Slurm, Kubernetes, several
+  machines), where this process may come up before the others: a server that refuses
+  connections is asked again. Returns when all answer or the time is up (then the
+  first use of the cluster names the task that does not).
   """
+  addresses = list(addresses)
   deadline = time.monotonic() + timeout
-  while True:
-    outcomes = _tf_internal.probe_tf_server(cluster_spec[PS_JOB], poll * 4)
-    if not any(outcomes) or time.monotonic() + poll > deadline:
+  while addresses:
+    outcomes = _tf_internal.probe_tf_server(addresses, min(poll * 4, timeout))
+    addresses = [a for a, why in zip(addresses, outcomes) if why]
+    if not addresses or time.monotonic() + poll > deadline:
       return
     time.sleep(poll)
 

@@ -96,6 +96,12 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
       name = f"MultiWorkerMirroredStrategy of /job:{task_type}/replica:0/task:{task_id}"
       self._group = _worker_group.WorkerGroup(spec, task_type, task_id, name,
                                               collective_timeout=cross_worker_ops.timeout)
+      # The workers start independently (diststrat-run, Slurm, several machines): wait,
+      # at most the collective timeout, until every other worker's server is up, so
+      # that the first collective does not take a peer still starting for a dead one.
+      _connection.wait_for_servers(
+          [address for job, addresses in spec.items() for i, address in enumerate(addresses)
+           if (job, i) != (task_type, task_id)], cross_worker_ops.timeout)
       local = (_devices.canonicalize_all(devices, default=self._group.local_task)
                if devices else self._group.local_devices())
       every = self._group.devices_of_every_worker(local)

@@ -220,7 +220,8 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
           lambda: _connection.normalize_cluster_spec(cluster_spec, task_type, task_id), source)
       self._cluster_spec = spec
       if source is not None:  # Started with its PS tasks (Slurm, Kubernetes): let them start.
-        _connection.wait_for_ps_tasks(spec, step_timeout or DEFAULT_STEP_TIMEOUT)
+        _connection.wait_for_servers(spec[_connection.PS_JOB],
+                                     step_timeout or DEFAULT_STEP_TIMEOUT)
       self._cluster = _connection.ClusterConnection(
           spec, task_type, task_id, step_timeout,
           name=f"ParameterServerStrategy of /job:{task_type}/replica:0/task:{task_id}")
