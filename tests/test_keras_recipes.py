@@ -108,8 +108,9 @@ def test_mixed_float16_equals_one_device(strategy_name):
   assert isinstance(reference.optimizer, keras.optimizers.LossScaleOptimizer)
   model, history = _fit(STRATEGIES[strategy_name](), optimizer, policy="mixed_float16")
   assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-  # float16 activations: the towers' partial sums round differently from one device's.
-  assert_all_close(model.get_weights(), reference.get_weights(), rtol=2e-3, atol=2e-3)
+  # float16 activations: the towers' partial sums round differently from one device's
+  # (measured: 2.8e-5 at most after 12 steps).
+  assert_all_close(model.get_weights(), reference.get_weights(), rtol=1e-3, atol=2e-4)
   assert float(model.optimizer.dynamic_scale.numpy()) == float(
       reference.optimizer.dynamic_scale.numpy())
   assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
