@@ -534,13 +534,14 @@ class StrategyAdapter:
     if model is None or not getattr(model, "jit_compile", False):
       return
     devices = set(self._ds.worker_devices) | set(self._ds.parameter_devices)
-    if len(devices) <= 1:
+    if len(devices) <= 1 and self._ds.num_towers <= 1:
       return  # One device: XLA compiles the step as it would without a strategy.
     raise ValueError(
         f"The Keras model {model.name!r} was compiled with jit_compile=True, but under "
-        f"{self._ds!r} its step runs on {len(devices)} devices ({self._ds.num_towers} "
-        "towers, each with its own copy or read of the variables), and XLA compiles a "
-        "step for one device: it cannot reach the other devices' variables. Compile it "
+        f"{self._ds!r} its step runs on {max(len(devices), self._ds.num_towers)} devices "
+        f"({self._ds.num_towers} towers, each with its own copy or read of the variables, "
+        "reduced with the others'), and XLA compiles a step for one device: it cannot "
+        "reach the other devices' variables and reductions. Compile it "
         "with jit_compile=False under this strategy (the default, jit_compile='auto', "
         "chooses False under a strategy), or train on one device with XLA.")
 
