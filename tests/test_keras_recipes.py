@@ -108,8 +108,9 @@ def test_mixed_float16_equals_one_device(strategy_name):
   assert isinstance(reference.optimizer, keras.optimizers.LossScaleOptimizer)
   model, history = _fit(STRATEGIES[strategy_name](), optimizer, policy="mixed_float16")
   assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-  # float16 activations: the towers' partial sums round differently from one device's.
-  assert_all_close(model.get_weights(), reference.get_weights(), rtol=2e-3, atol=2e-3)
+  # float16 activations: the towers' partial sums round differently from one device's
+  # (measured: 2.8e-5 at most after 12 steps).
+  assert_all_close(model.get_weights(), reference.get_weights(), rtol=1e-3, atol=2e-4)
   assert float(model.optimizer.dynamic_scale.numpy()) == float(
       reference.optimizer.dynamic_scale.numpy())
   assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
@@ -358,3 +359,111 @@ def test_mixing_with_tf_distribute_explains_the_fix():
     model.compile(optimizer="sgd", loss="mse")
   with tf_strategy.scope():
     model.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+# --- file callbacks and custom outputs across worker processes (SPEC section 12) -------
+
+
+class _TowerIdModel(keras.Sequential):
+  """Adds the mean tower id to its training logs (a custom step output, not a metric)."""
+
+  def train_step(self, data):
+    logs = super().train_step(data)
+    logs["tower_id"] = tf.cast(ds.get_tower_context().tower_id, tf.float32)
+    return logs
+
+
+class _RecordPaths(keras.callbacks.Callback):
+  """Records, at the end of every epoch, where the file callbacks write."""
+
+  def __init__(self, callbacks):
+    super().__init__()
+    self.watched = callbacks
+    self.seen = []
+
+  def on_epoch_end(self, epoch, logs=None):
+    self.seen.append(_paths(self.watched))
+
+
+class _DirectoryBoard(keras.callbacks.TensorBoard):
+  """A TensorBoard callback that creates its log directory and writes a file there
+  instead of summaries (the tensorboard package, which writes them, is not installed
+  here): what diststrat changes is the directory."""
+
+  def on_train_begin(self, logs=None):
+    os.makedirs(self.log_dir, exist_ok=True)
+
+  def on_epoch_end(self, epoch, logs=None):
+    with open(os.path.join(self.log_dir, f"epoch_{epoch}"), "w") as f:
+      f.write(repr(logs))
+
+  def on_train_end(self, logs=None):
+    pass
+
+  def on_train_batch_end(self, batch, logs=None):
+    pass
+
+  def on_test_begin(self, logs=None):
+    pass
+
+  def on_test_end(self, logs=None):
+    pass
+
+
+def _paths(callbacks):
+  checkpoint, csv_logger, backup, board = callbacks
+  return [checkpoint.filepath, csv_logger.filename, backup.backup_dir, board.log_dir]
+
+
+def _file_callbacks_fn(strategy, out_dir):
+  x, y = _data(40)
+  with strategy.scope():
+    keras.utils.set_random_seed(3)
+    model = _TowerIdModel([keras.Input((FEATURES,)), keras.layers.Dense(2)], name="towers")
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+  callbacks = [  # The same paths in every worker.
+      keras.callbacks.ModelCheckpoint(os.path.join(out_dir, "ckpt.weights.h5"),
+                                      save_weights_only=True),
+      keras.callbacks.CSVLogger(os.path.join(out_dir, "log.csv")),
+      keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup")),
+      _DirectoryBoard(os.path.join(out_dir, "tb"))]
+  recorder = _RecordPaths(callbacks)
+  history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                      callbacks=callbacks + [recorder])
+  during = recorder.seen
+  scratch = sorted({os.path.dirname(p) for seen in during for p in seen
+                    if not p.startswith(out_dir)})
+  return {"during": during, "after": _paths(callbacks), "scratch": scratch,
+          "scratch_left": [s for s in scratch if os.path.exists(s)],
+          "tower_id": history.history["tower_id"], "loss": history.history["loss"],
+          "towers": strategy.num_towers}
+
+
+def test_file_callbacks_write_once_across_worker_processes(tmp_path):
+  """The chief writes to the user's paths, worker 1 to a scratch directory that is gone
+  after fit; a custom step output is averaged over every tower of every worker.
+
+  On main: both workers write the user's paths (a race: h5py cannot lock the file), and
+  each worker logs the mean tower id of its own towers.
+  """
+  out_dir = str(tmp_path)
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, start_timeout=60,
+                    result_timeout=150) as cluster:
+    chief, other = cluster.run_on_workers(_file_callbacks_fn, strategy="multi_worker",
+                                          out_dir=out_dir)
+  user_paths = [os.path.join(out_dir, name) for name in
+                ("ckpt.weights.h5", "log.csv", "backup", "tb")]
+  assert chief["during"] == [user_paths, user_paths] and chief["scratch"] == []
+  assert other["after"] == user_paths  # Given back after fit.
+  assert len(other["scratch"]) == 4, other["scratch"]
+  for seen in other["during"]:
+    assert not any(p.startswith(out_dir) for p in seen), seen
+  assert other["scratch_left"] == []
+  # The mean tower id over every tower of both workers (each has half of them).
+  mean_id = (chief["towers"] - 1) / 2
+  assert chief["towers"] >= 4 and chief["tower_id"] == other["tower_id"] == [mean_id] * 2
+  np.testing.assert_allclose(chief["loss"], other["loss"], rtol=1e-6)
+  # One writer: the chief's files, and nothing else, at the user's paths.
+  assert sorted(os.listdir(out_dir)) == ["ckpt.weights.h5", "log.csv", "tb"]  # Backup removed.
+  with open(os.path.join(out_dir, "log.csv")) as f:
+    assert len(f.read().strip().splitlines()) == 3  # A header and two epochs.

@@ -4,6 +4,7 @@ After a TensorFlow or Keras upgrade, the test named after the wrapper that broke
 here, with a message naming it, instead of deep inside a user's training step.
 """
 
+import os
 import threading
 
 import keras
@@ -269,6 +270,65 @@ def test_keras_output_loss_trackers():
   assert names == ["a_loss", "b_loss"], _broke(
       "keras_output_loss_trackers", f"Keras {keras.__version__} per-output trackers: {names}")
   assert all(isinstance(t, keras.metrics.Mean) for t in trackers)
+
+
+def test_keras_fit_callbacks():
+  assert _tf_internal.keras_fit_callbacks() is None  # Outside fit.
+  # The bridge asks while fit distributes its dataset: check from there.
+  found = []
+
+  class _Strategyless(keras.callbacks.Callback):
+    pass
+
+  def distribute_hook(dataset):
+    found.append(_tf_internal.keras_fit_callbacks())
+    return dataset
+
+  strategy = ds.MirroredStrategy(CPUS[:1])
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+  adapter = model.distribute_strategy
+  original = adapter.experimental_distribute_dataset
+  adapter.experimental_distribute_dataset = lambda dataset, options=None: original(
+      distribute_hook(dataset), options)
+  try:
+    fit_callbacks = [_Strategyless()]
+    model.fit(np.zeros((4, 3), np.float32), np.zeros((4, 1), np.float32), verbose=0,
+              callbacks=fit_callbacks)
+  finally:
+    del adapter.experimental_distribute_dataset
+  assert found and found[0] is fit_callbacks, _broke(
+      "keras_fit_callbacks", f"Keras {keras.__version__} fit's callbacks not found: {found}")
+
+
+def test_set_keras_backup_dir(tmp_path):
+  callback = keras.callbacks.BackupAndRestore(str(tmp_path / "user"))
+  before = {k: v for k, v in vars(callback).items() if isinstance(v, str)}
+  state = _tf_internal.set_keras_backup_dir(callback, str(tmp_path / "scratch"))
+  moved = {k: v for k, v in vars(callback).items() if isinstance(v, str)}
+  assert any(k != "backup_dir" for k in state)
+  for key, value in moved.items():
+    if str(tmp_path / "user") in before[key]:
+      assert value.startswith(str(tmp_path / "scratch")), _broke(
+          "set_keras_backup_dir", f"Keras {keras.__version__} keeps {key}={value}")
+  # The callback writes where it was pointed.
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+  model.compile(optimizer="sgd", loss="mse")
+  callback.delete_checkpoint = False
+  model.fit(np.zeros((4, 3), np.float32), np.zeros((4, 1), np.float32), verbose=0,
+            callbacks=[callback])
+  assert os.listdir(tmp_path / "scratch") and not os.path.exists(tmp_path / "user")
+  _tf_internal.restore_keras_backup_dir(callback, state)
+  assert {k: v for k, v in vars(callback).items() if isinstance(v, str)} == before
+
+
+def test_restore_keras_backup_dir(tmp_path):
+  callback = keras.callbacks.BackupAndRestore(str(tmp_path / "a"))
+  before = dict(vars(callback))
+  _tf_internal.restore_keras_backup_dir(
+      callback, _tf_internal.set_keras_backup_dir(callback, str(tmp_path / "b")))
+  assert dict(vars(callback)) == before, _broke("restore_keras_backup_dir", "not restored")
 
 
 # --- protocols TensorFlow calls on diststrat's objects ---------------------------------------

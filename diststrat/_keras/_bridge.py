@@ -37,6 +37,7 @@ from diststrat import _context
 from diststrat import _input
 from diststrat import _tf_internal
 from diststrat import errors
+from diststrat._keras import _file_callbacks
 from diststrat._arguments import as_tf_variable
 from diststrat.values import _variables
 from diststrat.values import _wrapped
@@ -533,13 +534,14 @@ class StrategyAdapter:
     if model is None or not getattr(model, "jit_compile", False):
       return
     devices = set(self._ds.worker_devices) | set(self._ds.parameter_devices)
-    if len(devices) <= 1:
+    if len(devices) <= 1 and self._ds.num_towers <= 1:
       return  # One device: XLA compiles the step as it would without a strategy.
     raise ValueError(
         f"The Keras model {model.name!r} was compiled with jit_compile=True, but under "
-        f"{self._ds!r} its step runs on {len(devices)} devices ({self._ds.num_towers} "
-        "towers, each with its own copy or read of the variables), and XLA compiles a "
-        "step for one device: it cannot reach the other devices' variables. Compile it "
+        f"{self._ds!r} its step runs on {max(len(devices), self._ds.num_towers)} devices "
+        f"({self._ds.num_towers} towers, each with its own copy or read of the variables, "
+        "reduced with the others'), and XLA compiles a step for one device: it cannot "
+        "reach the other devices' variables and reductions. Compile it "
         "with jit_compile=False under this strategy (the default, jit_compile='auto', "
         "chooses False under a strategy), or train on one device with XLA.")
 
@@ -551,6 +553,9 @@ class StrategyAdapter:
     The prefetch makes the next batch while a step runs, as `distribute_dataset` does.
     """
     del options
+    # Keras's fit asks for its dataset before it builds its callback list: the last
+    # moment a worker's file-writing callbacks can be pointed at its scratch directory.
+    _file_callbacks.redirect_fit_callbacks(self._ds)
     return dataset.prefetch(tf.data.AUTOTUNE)
 
   def distribute_datasets_from_function(self, dataset_fn, options=None):
@@ -679,10 +684,20 @@ class StrategyAdapter:
                                       for v in _wrapped.flatten(outputs)])
 
   def _mean(self, value):
+    """A custom step's output that is not a metric: its mean over every tower.
+
+    With several worker processes (MultiWorkerMirroredStrategy) the mean is over the
+    towers of every worker (a collective: every worker runs the same steps), so every
+    worker logs the same value, as for metrics.
+    """
     if not isinstance(value, _wrapped.DistributedValues):
       return value
+    parts = list(value.values)
+    if self._ds._num_processes() > 1 and all(  # pylint: disable=protected-access
+        isinstance(p, tf.Tensor) and p.dtype.is_floating for p in parts):
+      return self._ds.reduce("mean", value).get(self._ds.worker_devices[0])
     with tf.device(self._ds.worker_devices[0]):
-      return tf.add_n(list(value.values)) / len(value.values)
+      return tf.add_n(parts) / len(parts)
 
   # --- cross-replica reductions Keras may call ---
 

@@ -15,7 +15,7 @@ the job, in the module of its kind:
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running; its wait for pending eager work |
 | `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it |
 | `_tapes` | recording on gradient tapes |
-| `_keras` | Keras 3 variables and optimizers; which Keras code creates a variable |
+| `_keras` | Keras 3 variables, optimizers, per-output loss trackers, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable |
 | `_distribute_stack` | TensorFlow's per-thread distribution-mode stack (`tf.distribute.get_strategy()`) |
 | `_autograph` | letting diststrat's errors through AutoGraph |
 
@@ -55,9 +55,12 @@ from diststrat._tf_internal._collectives import function_runs_collectives as fun
 from diststrat._tf_internal._distribute_stack import tf_distribution_mode as tf_distribution_mode
 from diststrat._tf_internal._functions import call_flat as call_flat
 from diststrat._tf_internal._keras import keras_backing_variable as keras_backing_variable
+from diststrat._tf_internal._keras import keras_fit_callbacks as keras_fit_callbacks
 from diststrat._tf_internal._keras import keras_optimizer_strategy as keras_optimizer_strategy
 from diststrat._tf_internal._keras import keras_output_loss_trackers as keras_output_loss_trackers
 from diststrat._tf_internal._keras import keras_variable_origin as keras_variable_origin
+from diststrat._tf_internal._keras import restore_keras_backup_dir as restore_keras_backup_dir
+from diststrat._tf_internal._keras import set_keras_backup_dir as set_keras_backup_dir
 from diststrat._tf_internal._tapes import record_backward as record_backward
 from diststrat._tf_internal._tapes import record_variable_read as record_variable_read
 from diststrat._tf_internal._tapes import should_record as should_record
@@ -110,7 +113,8 @@ __all__ = [
     "record_variable_read",
     # Keras
     "keras_backing_variable", "keras_optimizer_strategy", "keras_output_loss_trackers",
-    "keras_variable_origin",
+    "keras_variable_origin", "keras_fit_callbacks", "set_keras_backup_dir",
+    "restore_keras_backup_dir",
     # the distribution-mode stack
     "tf_distribution_mode",
     # AutoGraph
