@@ -9,8 +9,9 @@ thread it waits for with a bound (`_bounded`): a call that blocks is reported as
 
 - A frozen PS: eager reads (`numpy()`, `read_value()`, `np.asarray`), `read_var` and
   checkpoint saves raise `ClusterError` naming the task within `step_timeout`.
-- A killed PS: writes (`update`, `assign*`, `scatter_*`) raise `ClusterError` from the
-  call itself, not at a later read.
+- A killed or frozen PS: writes (`update`, `assign*`, `scatter_*`) are acknowledged:
+  they raise `ClusterError` from the call itself (a frozen PS's within `step_timeout`),
+  never return as if done and fail at a later read.
 - A PS killed during checkpoint saves, at seeded random moments: every save that fails
   raises `ClusterError` naming the task, and is never registered as the latest
   checkpoint.
@@ -214,12 +215,9 @@ def test_frozen_ps_makes_eager_reads_and_saves_raise_within_step_timeout(tmp_pat
 # --- a killed PS: writes are acknowledged (item 3) -------------------------------------
 
 
-def _killed_writes_fn(strategy, sync_dir):
-  control = _Control(sync_dir)
-  with strategy.scope():
-    v = tf.Variable([1.0, 2.0, 3.0], name="v")
+def _writes(strategy, v):
   ones = tf.ones([3])
-  writes = {
+  return {
       "update(assign_add)": lambda: strategy.update(v, lambda c: c.assign_add(ones)),
       "assign_add": lambda: v.assign_add(ones),
       "assign_sub": lambda: v.assign_sub(ones),
@@ -228,8 +226,48 @@ def _killed_writes_fn(strategy, sync_dir):
                                                             tf.constant([0]))),
       "scatter_nd_update": lambda: v.scatter_nd_update([[1]], [5.0]),
   }
+
+
+def _frozen_writes_fn(strategy, sync_dir):
+  control = _Control(sync_dir)
+  with strategy.scope():
+    v = tf.Variable([1.0, 2.0, 3.0], name="v")
   outcomes = {}
-  for name, write in writes.items():
+  for name, write in _writes(strategy, v).items():
+    write()  # Traced and known to the PS task before it freezes.
+    v.numpy()
+    control("freeze")
+    outcomes[name] = _describe(*_bounded(write, STEP_TIMEOUT + MARGIN))
+    control("thaw")
+    _reconnect(strategy)
+  return outcomes
+
+
+@pytest.mark.timeout(300)
+def test_writes_to_a_frozen_ps_raise_within_step_timeout(tmp_path):
+  with _cluster() as cluster:
+    join = _serve_faults(cluster, str(tmp_path))
+    try:
+      [outcomes] = cluster.run_on_workers(_frozen_writes_fn, sync_dir=str(tmp_path))
+    finally:
+      join()
+  assert len(outcomes) == 6
+  for write, outcome in outcomes.items():
+    # Not acknowledged within step_timeout: the write raises, it does not return as if
+    # it had been done (nor block).
+    assert (outcome["kind"], outcome["type"], outcome["task"]) == (
+        "raised", "ClusterError", PS0), (write, outcome)
+    assert f"waiting on {PS0}, which does not answer (frozen, or cut off)" in (
+        outcome["message"]), (write, outcome)
+    assert outcome["elapsed"] < STEP_TIMEOUT + MARGIN, (write, outcome)
+
+
+def _killed_writes_fn(strategy, sync_dir):
+  control = _Control(sync_dir)
+  with strategy.scope():
+    v = tf.Variable([1.0, 2.0, 3.0], name="v")
+  outcomes = {}
+  for name, write in _writes(strategy, v).items():
     for _ in range(3):  # Traced and known to the PS task before it dies.
       write()
     v.numpy()
