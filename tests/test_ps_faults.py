@@ -9,8 +9,9 @@ thread it waits for with a bound (`_bounded`): a call that blocks is reported as
 
 - A frozen PS: eager reads (`numpy()`, `read_value()`, `np.asarray`), `read_var` and
   checkpoint saves raise `ClusterError` naming the task within `step_timeout`.
-- A killed PS: writes (`update`, `assign*`, `scatter_*`) raise `ClusterError` from the
-  call itself, not at a later read.
+- A killed or frozen PS: writes (`update`, `assign*`, `scatter_*`) are acknowledged:
+  they raise `ClusterError` from the call itself (a frozen PS's within `step_timeout`),
+  never return as if done and fail at a later read.
 - A PS killed during checkpoint saves, at seeded random moments: every save that fails
   raises `ClusterError` naming the task, and is never registered as the latest
   checkpoint.
@@ -214,12 +215,9 @@ def test_frozen_ps_makes_eager_reads_and_saves_raise_within_step_timeout(tmp_pat
 # --- a killed PS: writes are acknowledged (item 3) -------------------------------------
 
 
-def _killed_writes_fn(strategy, sync_dir):
-  control = _Control(sync_dir)
-  with strategy.scope():
-    v = tf.Variable([1.0, 2.0, 3.0], name="v")
+def _writes(strategy, v):
   ones = tf.ones([3])
-  writes = {
+  return {
       "update(assign_add)": lambda: strategy.update(v, lambda c: c.assign_add(ones)),
       "assign_add": lambda: v.assign_add(ones),
       "assign_sub": lambda: v.assign_sub(ones),
@@ -228,8 +226,48 @@ def _killed_writes_fn(strategy, sync_dir):
                                                             tf.constant([0]))),
       "scatter_nd_update": lambda: v.scatter_nd_update([[1]], [5.0]),
   }
+
+
+def _frozen_writes_fn(strategy, sync_dir):
+  control = _Control(sync_dir)
+  with strategy.scope():
+    v = tf.Variable([1.0, 2.0, 3.0], name="v")
   outcomes = {}
-  for name, write in writes.items():
+  for name, write in _writes(strategy, v).items():
+    write()  # Traced and known to the PS task before it freezes.
+    v.numpy()
+    control("freeze")
+    outcomes[name] = _describe(*_bounded(write, STEP_TIMEOUT + MARGIN))
+    control("thaw")
+    _reconnect(strategy)
+  return outcomes
+
+
+@pytest.mark.timeout(300)
+def test_writes_to_a_frozen_ps_raise_within_step_timeout(tmp_path):
+  with _cluster() as cluster:
+    join = _serve_faults(cluster, str(tmp_path))
+    try:
+      [outcomes] = cluster.run_on_workers(_frozen_writes_fn, sync_dir=str(tmp_path))
+    finally:
+      join()
+  assert len(outcomes) == 6
+  for write, outcome in outcomes.items():
+    # Not acknowledged within step_timeout: the write raises, it does not return as if
+    # it had been done (nor block).
+    assert (outcome["kind"], outcome["type"], outcome["task"]) == (
+        "raised", "ClusterError", PS0), (write, outcome)
+    assert f"waiting on {PS0}, which does not answer (frozen, or cut off)" in (
+        outcome["message"]), (write, outcome)
+    assert outcome["elapsed"] < STEP_TIMEOUT + MARGIN, (write, outcome)
+
+
+def _killed_writes_fn(strategy, sync_dir):
+  control = _Control(sync_dir)
+  with strategy.scope():
+    v = tf.Variable([1.0, 2.0, 3.0], name="v")
+  outcomes = {}
+  for name, write in _writes(strategy, v).items():
     for _ in range(3):  # Traced and known to the PS task before it dies.
       write()
     v.numpy()
@@ -332,3 +370,54 @@ def test_ps_killed_during_saves_raises_cluster_error_and_the_save_is_not_the_lat
     # The save that raised is not registered: the latest is still the one before it.
     assert outcome["latest_after"] == outcome["latest_before"], (i, outcome)
     assert outcome["latest_in_state_file"] == outcome["latest_before"], (i, outcome)
+
+
+def _killed_before_the_final_wait_fn(strategy, sync_dir, ckpt_dir):
+  control = _Control(sync_dir)
+  with strategy.scope():
+    v = tf.Variable([1.0, 2.0], name="v")
+  manager = tf.train.CheckpointManager(tf.train.Checkpoint(v=v), ckpt_dir, max_to_keep=5)
+  first = manager.save()
+  # A write callback runs after the save wrote its files and before the save's final
+  # wait for pending work (and before the manager's own callback registers it): the
+  # PS dies at that moment.
+  options = tf.train.CheckpointOptions(experimental_write_callbacks=[
+      lambda: control("kill")])
+  kind, value, elapsed = _bounded(lambda: manager.save(options=options),
+                                  STEP_TIMEOUT + MARGIN)
+  killed_save = _describe(kind, value, elapsed)
+  killed_save["returned"] = value if kind == "returned" else None
+  killed_save["latest"] = manager.latest_checkpoint
+  killed_save["latest_in_state_file"] = tf.train.latest_checkpoint(ckpt_dir)
+  latest = manager.latest_checkpoint
+  next_save = _describe(*_bounded(manager.save, STEP_TIMEOUT + MARGIN))
+  next_save["latest_unchanged"] = (manager.latest_checkpoint == latest and
+                                   tf.train.latest_checkpoint(ckpt_dir) == latest)
+  return {"first": first, "killed_save": killed_save, "next_save": next_save}
+
+
+@pytest.mark.timeout(300)
+def test_ps_killed_after_a_save_wrote_its_files_never_leaves_a_raised_save_registered(
+    tmp_path):
+  sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
+  sync_dir.mkdir()
+  with _cluster() as cluster:
+    join = _serve_faults(cluster, str(sync_dir))
+    try:
+      [r] = cluster.run_on_workers(_killed_before_the_final_wait_fn,
+                                   sync_dir=str(sync_dir), ckpt_dir=str(ckpt_dir))
+    finally:
+      join()
+  killed = r["killed_save"]
+  if killed["kind"] == "returned":
+    # Its files were complete and acknowledged before the PS died: it is the latest.
+    assert killed["latest"] == killed["latest_in_state_file"] == killed["returned"], r
+  else:
+    assert (killed["kind"], killed["type"], killed["task"]) == (
+        "raised", "ClusterError", PS0), r
+    assert killed["latest"] == killed["latest_in_state_file"] == r["first"], r
+  # Whichever it was, the next save fails as ClusterError and is not registered.
+  next_save = r["next_save"]
+  assert (next_save["kind"], next_save["type"], next_save["task"]) == (
+      "raised", "ClusterError", PS0), r
+  assert next_save["latest_unchanged"], r
