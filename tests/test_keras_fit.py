@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import diststrat as ds
+from conftest import CPUS
 from keras_cases import STRATEGIES, assert_all_close, assert_copies_equal
 
 
@@ -272,3 +273,33 @@ def test_sparse_inputs_say_what_to_do():
   with pytest.raises(TypeError, match=r"which it does for dense tensors only. Received: a "
                                       r"SparseTensor. Convert it to a dense tensor"):
     model.predict(tf.data.Dataset.from_tensors(sparse), verbose=0)
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_batch_smaller_than_the_tower_count_trains_like_one_device(run_eagerly):
+  """Batches of 2 (fit), 3 (evaluate) and 1 (predict) over 4 towers: the empty towers
+  add nothing to the loss (their loss is an empty tensor; Keras's Mean would add nan)."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(6, 5)).astype(np.float32)
+  y = rng.normal(size=(6, 1)).astype(np.float32)
+
+  def run(strategy):
+    with strategy.scope():
+      keras.utils.set_random_seed(1)
+      model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
+                                keras.layers.Dense(1)])
+      model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"],
+                    run_eagerly=run_eagerly)
+    history = model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0).history
+    evaluated = model.evaluate(x, y, batch_size=3, verbose=0)
+    predicted = model.predict(x, batch_size=1, verbose=0)
+    return history, evaluated, [w.numpy() for w in model.weights], predicted
+
+  reference = run(ds.DefaultStrategy())
+  towers = run(ds.MirroredStrategy(CPUS))
+  for key in ("loss", "mae"):
+    np.testing.assert_allclose(towers[0][key], reference[0][key], rtol=1e-5)
+  np.testing.assert_allclose(towers[1], reference[1], rtol=1e-5)
+  for got, want in zip(towers[2], reference[2]):
+    np.testing.assert_allclose(got, want, atol=1e-6)
+  np.testing.assert_allclose(towers[3], reference[3], atol=1e-6)

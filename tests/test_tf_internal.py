@@ -1044,3 +1044,12 @@ def test_set_call_tracker():
   assert ("finished", 1) in calls, _broke("set_call_tracker", f"no end reported: {calls}")
   traced(tf.constant(2.0))
   assert len(calls) == 2 * len(started), "tracking went on after set_call_tracker(None)"
+
+
+def test_keras_loss_tracker():
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+  model.compile(optimizer="sgd", loss="mse")
+  model.fit(np.ones((4, 3), np.float32), np.zeros((4, 1), np.float32), verbose=0)
+  tracker = _tf_internal.keras_loss_tracker(model)
+  assert isinstance(tracker, keras.metrics.Mean) and tracker.name == "loss", _broke(
+      "keras_loss_tracker", f"Keras {keras.__version__}: {tracker!r}")

@@ -233,7 +233,10 @@ _routed_trackers = weakref.WeakKeyDictionary()  # Keras loss tracker -> its Stra
 
 
 def route_loss_tracker(tracker, adapter):
-  """Weighs a per-output loss tracker's tower updates by the tower's share of the batch.
+  """Weighs a loss tracker's tower updates by the tower's share of the batch.
+
+  For the model's "loss" tracker, Keras gives the part's dynamic batch size as weight;
+  only an empty tower's nan (0 / 0) is replaced by 0, so it adds nothing.
 
   Keras updates the "<output>_loss" `Mean` of a multi-output model with the loss
   computed on the tower's part and `sample_weight` the part's static batch size, which
@@ -251,13 +254,21 @@ def route_loss_tracker(tracker, adapter):
   def update_state(values, sample_weight=None):
     tracker = tracker_ref()
     tower = _context.get_tower_context()
-    if sample_weight is None and tower is not None and \
-        tower.distribution_strategy is adapter.diststrat_strategy and \
-        tower.batch_share is not None:
-      sample_weight = tf.cast(tower.batch_share, tf.float32)
-      # A tower without an example holds no loss (0 / 0): it weighs 0 and adds 0.
-      values = tf.where(sample_weight > 0, values, tf.zeros_like(values))
-    return type(tracker).update_state(tracker, values, sample_weight=sample_weight)
+    if tower is None or tower.distribution_strategy is not adapter.diststrat_strategy \
+        or tower.batch_share is None:
+      return type(tracker).update_state(tracker, values, sample_weight=sample_weight)
+    share = tower.batch_share
+    if sample_weight is None:
+      sample_weight = tf.cast(share, tf.float32)
+
+    def update():
+      type(tracker).update_state(tracker, values, sample_weight=sample_weight)
+
+    # A tower without an example has no loss (an empty tensor, or 0 / 0): it updates
+    # nothing, where Keras's Mean would add nan.
+    if isinstance(share, (int, float)):
+      return update() if share > 0 else None
+    return tf.cond(tf.cast(share, tf.float32) > 0, update, lambda: None)
 
   object.__setattr__(tracker, "update_state", update_state)
   _routed_trackers[tracker] = adapter
@@ -604,6 +615,9 @@ class StrategyAdapter:
     route_optimizer(getattr(model, "optimizer", None), self)
     if _is_train_or_test_step(fn):
       for tracker in _tf_internal.keras_output_loss_trackers(model):
+        route_loss_tracker(tracker, self)
+      tracker = _tf_internal.keras_loss_tracker(model)
+      if tracker is not None:
         route_loss_tracker(tracker, self)
     devices = self._ds.worker_devices
     first_tower, num_towers = self._ds._batch_split()  # pylint: disable=protected-access

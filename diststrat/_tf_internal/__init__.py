@@ -57,6 +57,7 @@ from diststrat._tf_internal._functions import call_flat as call_flat
 from diststrat._tf_internal._keras import keras_backing_variable as keras_backing_variable
 from diststrat._tf_internal._keras import keras_fit_callbacks as keras_fit_callbacks
 from diststrat._tf_internal._keras import keras_optimizer_strategy as keras_optimizer_strategy
+from diststrat._tf_internal._keras import keras_loss_tracker as keras_loss_tracker
 from diststrat._tf_internal._keras import keras_output_loss_trackers as keras_output_loss_trackers
 from diststrat._tf_internal._keras import keras_variable_origin as keras_variable_origin
 from diststrat._tf_internal._keras import restore_keras_backup_dir as restore_keras_backup_dir
@@ -113,6 +114,7 @@ __all__ = [
     "record_variable_read",
     # Keras
     "keras_backing_variable", "keras_optimizer_strategy", "keras_output_loss_trackers",
+    "keras_loss_tracker",
     "keras_variable_origin", "keras_fit_callbacks", "set_keras_backup_dir",
     "restore_keras_backup_dir",
     # the distribution-mode stack

@@ -56,6 +56,15 @@ def keras_output_loss_trackers(model):
   return list(getattr(compile_loss, "metrics", None) or [])
 
 
+def keras_loss_tracker(model):
+  """The `keras.metrics.Mean` behind the "loss" entry of a Keras 3 model's logs, or None.
+
+  Keras's trainer updates it in every train/test step with the step's loss and the
+  batch size as weight; it keeps it as `model._loss_tracker`, with no public accessor.
+  """
+  return getattr(model, "_loss_tracker", None)
+
+
 _KERAS_TF_TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
 _FIT_FRAMES_SEARCHED = 12
 
