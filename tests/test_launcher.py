@@ -171,6 +171,37 @@ if strategy.is_chief:
   np.save(os.path.join(out, "w.npy"), w.numpy())
 """
 
+# Keras: model.fit with BackupAndRestore (one path for every worker). Worker 1 kills itself
+# at the start of epoch KILL_AT of the job's first attempt (KILL_AT < 0: never).
+_FIT_MWMS = """
+import os, signal, sys
+import keras
+import numpy as np
+import diststrat as ds
+
+strategy = ds.MultiWorkerMirroredStrategy(collective_timeout=60)
+out, kill_at = sys.argv[1], int(sys.argv[2])
+keras.utils.set_random_seed(0)
+with strategy.scope():
+  model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                            keras.layers.Dense(1)])
+  model.compile(optimizer="adam", loss="mse")
+
+class Kill(keras.callbacks.Callback):
+  def on_epoch_begin(self, epoch, logs=None):
+    print("epoch", epoch, "attempt", os.environ["DISTSTRAT_RESTART_COUNT"], flush=True)
+    if (epoch == kill_at and strategy.task_id == 1
+        and os.environ["DISTSTRAT_RESTART_COUNT"] == "0"):
+      os.kill(os.getpid(), signal.SIGKILL)
+
+rng = np.random.default_rng(0)
+x, y = rng.random((128, 8), np.float32), rng.random((128, 1), np.float32)
+model.fit(x, y, batch_size=32, epochs=4, verbose=0, shuffle=False,
+          callbacks=[keras.callbacks.BackupAndRestore(os.path.join(out, "backup")), Kill()])
+if strategy.is_chief:
+  np.savez(os.path.join(out, "weights.npz"), *model.get_weights())
+"""
+
 # ParameterServerStrategy() with no arguments: both workers add to one shared counter,
 # then wait (bounded) until both are done.
 _COUNT_PS = """
@@ -469,6 +500,29 @@ def test_a_killed_worker_restarts_the_job_which_resumes_from_its_checkpoint(tmp_
   assert resumed and " start 0 " not in resumed[0], proc.stdout  # From a checkpoint.
   np.testing.assert_allclose(np.load(tmp_path / "w.npy"), _reference_weights(),
                              rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT + 30)
+def test_keras_fit_with_backup_and_restore_resumes_after_a_killed_worker(tmp_path):
+  script = _write(tmp_path, "fit.py", _FIT_MWMS)
+  runs = {}
+  for name, kill_at, restarts in (("killed", "2", "1"), ("uninterrupted", "-1", "0")):
+    out = tmp_path / name
+    out.mkdir()
+    proc = _launch(["--workers", "2", "--max-restarts", restarts, str(script), str(out),
+                    kill_at], tmp_path, timeout=2 * JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs[name] = (proc, np.load(out / "weights.npz"))
+  killed = runs["killed"][0]
+  assert "Task worker:1 was killed by signal SIGKILL" in killed.stderr
+  # The second attempt starts at epoch 2 in both workers: the backup of epochs 0 and 1.
+  attempt_1 = [l for l in killed.stdout.splitlines() if l.endswith("attempt 1")]
+  assert sorted(attempt_1) == ["[worker:0] epoch 2 attempt 1", "[worker:0] epoch 3 attempt 1",
+                               "[worker:1] epoch 2 attempt 1",
+                               "[worker:1] epoch 3 attempt 1"], killed.stdout
+  (_, killed_weights), (_, uninterrupted) = runs["killed"], runs["uninterrupted"]
+  for a, b in zip(killed_weights.values(), uninterrupted.values()):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
