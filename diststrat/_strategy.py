@@ -103,7 +103,7 @@ class DistributionStrategy:
   start with an underscore) listed under "Subclasses implement" below.
   """
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._local = threading.local()
 
   # ---------------------------------------------------------------------------------

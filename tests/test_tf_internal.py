@@ -711,6 +711,87 @@ def test_enable_cross_process_collectives_and_check_peer_health():
 
 
 
+def test_wait_for_pending_ops(monkeypatch):
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  tf.add(1.0, 1.0)  # The context exists (the wait does nothing before).
+  synced = []
+  sync_executors = context.context().sync_executors
+  monkeypatch.setattr(context.context(), "sync_executors",
+                      lambda: synced.append(1) or sync_executors())
+  # It is TensorFlow's own wait (which syncs every executor), not the hook's.
+  _tf_internal.install_sync_hook(lambda wait: (_ for _ in ()).throw(KeyError("hooked")))
+  try:
+    _tf_internal.wait_for_pending_ops()
+  finally:
+    _tf_internal.uninstall_sync_hook()
+  assert synced == [1], _broke("wait_for_pending_ops", "context.async_wait() no longer "
+                               "syncs the executors")
+
+
+def test_install_sync_hook_and_uninstall_sync_hook(tmp_path):
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  original_wait = context.async_wait
+  manager = tf.train.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)),
+                                       str(tmp_path), max_to_keep=3)
+  calls = []
+
+  def sync(wait):
+    calls.append(tf.train.latest_checkpoint(str(tmp_path)))
+    wait()
+
+  _tf_internal.install_sync_hook(sync)
+  try:
+    first = manager.save()
+    # One wait, made before the save registered its checkpoint; the save's own wait
+    # after its callbacks is skipped.
+    assert calls == [None], _broke("install_sync_hook", f"the hook saw {calls}")
+    assert tf.train.latest_checkpoint(str(tmp_path)) == first
+    context.async_wait()
+    assert len(calls) == 2, _broke("install_sync_hook", "context.async_wait() is not hooked")
+
+    def failing(wait):
+      raise KeyError("the task died")
+
+    _tf_internal.install_sync_hook(failing)
+    with pytest.raises(KeyError, match="the task died"):
+      manager.save()
+    # The failed save is not the latest checkpoint.
+    assert tf.train.latest_checkpoint(str(tmp_path)) == first
+    assert manager.latest_checkpoint == first
+  finally:
+    _tf_internal.uninstall_sync_hook()
+  assert context.async_wait is original_wait
+  second = manager.save()
+  assert tf.train.latest_checkpoint(str(tmp_path)) == second != first
+
+
+def test_deferred_checkpoint_value(tmp_path):
+  reads = []
+
+  class Saved(tf.Module):
+
+    def __init__(self):
+      super().__init__()
+      self.variable = tf.Variable(3.0)
+
+    def _serialize_to_tensors(self):
+      def read():
+        reads.append(1)
+        return tf.identity(self.variable)
+      return {"value": _tf_internal.deferred_checkpoint_value(read, tf.float32, CPUS[0])}
+
+    def _restore_from_tensors(self, restored_tensors):
+      self.variable.assign(restored_tensors["value"])
+
+  saved = Saved()
+  path = tf.train.Checkpoint(saved=saved).write(str(tmp_path / "ckpt"))
+  assert reads == [1], _broke("deferred_checkpoint_value", f"a save read it {len(reads)} times")
+  saved.variable.assign(0.0)
+  tf.train.Checkpoint(saved=saved).read(path).assert_consumed()
+  assert reads == [1], _broke("deferred_checkpoint_value", "a restore read it")
+  assert float(saved.variable) == 3.0
+
+
 def test_probe_tf_server():
   import socket  # pylint: disable=g-import-not-at-top
   with socket.socket() as s:  # A port nothing listens on (closed again at once).
@@ -888,3 +969,78 @@ def test_protocols_and_protocol_names():
   assert _tf_internal.PROTOCOL_NAMES == {n for names in _tf_internal.PROTOCOLS.values()
                                          for n in names}
 
+
+
+_ABORT_A_BLOCKED_COLLECTIVE = """
+import socket, threading, time
+import tensorflow as tf
+from diststrat import _tf_internal
+ports = []
+for _ in range(2):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); ports.append(s.getsockname()[1])
+# Two members, one process: the second never joins, so the first waits with no timeout.
+spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
+_tf_internal.enable_cross_process_collectives(spec, "worker", 0,
+                                              leader="/job:worker/replica:0/task:0")
+@tf.function
+def alone():
+  with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+    return _tf_internal.all_reduce_v1(tf.constant([2.0]), 2, 9, 9, "Add", "Id", timeout=0)
+print("RUNS_COLLECTIVES", _tf_internal.function_runs_collectives(
+    alone.get_concrete_function().function_def.signature.name))
+threading.Timer(1.0, _tf_internal.abort_collectives, ("stop waiting",)).start()
+start = time.monotonic()
+try:
+  alone()
+except tf.errors.UnavailableError as e:
+  print("ABORTED", "stop waiting" in str(e), round(time.monotonic() - start, 1))
+"""
+
+
+def test_abort_collectives_and_function_runs_collectives():
+  out = _run_python(_ABORT_A_BLOCKED_COLLECTIVE, timeout=60)
+  assert "ABORTED True" in out, _broke("abort_collectives", out)
+  assert "RUNS_COLLECTIVES True" in out, _broke("function_runs_collectives", out)
+
+
+def test_function_runs_collectives():
+  @tf.function
+  def plain(x):
+    return tf.while_loop(lambda i: i < x, lambda i: i + 1.0, [0.0])
+
+  name = plain.get_concrete_function(tf.constant(1.0)).function_def.signature.name
+  assert _tf_internal.function_runs_collectives(name) is False, _broke(
+      "function_runs_collectives", "a function without collectives counted as one")
+  assert _tf_internal.function_runs_collectives("Identity") is False
+
+
+def test_set_call_tracker():
+  calls = []
+
+  class Tracker:
+    def started(self, name=None):
+      calls.append(("started", name))
+      return len(calls)
+
+    def finished(self, token):
+      calls.append(("finished", token))
+
+  @tf.function
+  def traced(x):
+    return x + 1.0
+
+  traced(tf.constant(1.0))  # Traced before tracking.
+  _tf_internal.install_error_translator(lambda error: error)
+  _tf_internal.set_call_tracker(Tracker())
+  try:
+    traced(tf.constant(1.0))
+  finally:
+    _tf_internal.set_call_tracker(None)
+    _tf_internal.uninstall_error_translator()
+  started = [c for c in calls if c[0] == "started"]
+  assert started and all("traced" in str(name) for _, name in started), _broke(
+      "set_call_tracker", f"the function call was not reported: {calls}")
+  assert ("finished", 1) in calls, _broke("set_call_tracker", f"no end reported: {calls}")
+  traced(tf.constant(2.0))
+  assert len(calls) == 2 * len(started), "tracking went on after set_call_tracker(None)"

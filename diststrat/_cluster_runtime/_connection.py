@@ -12,6 +12,8 @@ other worker, which fails while one is down or restarting. Its own address comes
 the spec (a fixed port): reconnecting after a PS restart needs it to be the same.
 """
 
+import time
+
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
@@ -118,6 +120,21 @@ def normalize_cluster_spec(cluster_spec, task_type, task_id, with_ps=True):
   return spec
 
 
+def wait_for_ps_tasks(cluster_spec, timeout, poll=0.5):
+  """Waits until every PS task of `cluster_spec` answers, at most `timeout` seconds.
+
+  For processes started all at once (Slurm, Kubernetes), where a worker may come up
+  before its parameter servers: a task that refuses connections is asked again. Returns
+  when all answer or the time is up (the connection then names the task that does not).
+  """
+  deadline = time.monotonic() + timeout
+  while True:
+    outcomes = _tf_internal.probe_tf_server(cluster_spec[PS_JOB], poll * 4)
+    if not any(outcomes) or time.monotonic() + poll > deadline:
+      return
+    time.sleep(poll)
+
+
 class ClusterTaskMixin:
   """The cluster properties of a strategy that runs as one task of a cluster.
 
@@ -168,8 +185,10 @@ class ClusterConnection:
     self.guard = _watchdog.StepGuard(self.ps_tasks, _watchdog.probe_with_an_op,
                                      step_timeout, name)
     self.names = _shared_variables.SharedNames()
-    # From now on, a task's death raised by any op of this process names the task.
+    # From now on, a task's death raised by any op of this process names the task, and
+    # TensorFlow's waits for pending eager work (checkpoint saves) are bounded too.
     _tf_internal.install_error_translator(_watchdog.translate_error)
+    _tf_internal.install_sync_hook(self.guard.wait_for)
     self.connect()
 
   def connect(self):

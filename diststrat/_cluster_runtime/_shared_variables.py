@@ -20,9 +20,27 @@ How one is made (`create_shared_variable`):
 3. Every operation on the variable runs on its PS device (an explicit device scope around
    reads, assigns and scatters: `_tf_internal.RESOURCE_METHODS`), where TensorFlow
    enqueues eager remote ops asynchronously instead of wrapping each in a synchronous
-   function call. The exception: a dense read in a tower of a `call_for_each_tower`
+   function call. The exceptions: a dense read in a tower of a `call_for_each_tower`
    that caches reads is served by that call's `ReadCache` (_cluster_runtime/_read_cache.py),
-   and every write drops the variable from the open caches.
+   and every write drops the variable from the open caches; and, eagerly outside the
+   strategy's guarded calls, reads and writes are acknowledged and bounded (below).
+
+Eagerly, outside a guarded call (`run_step`, `update`, ...), an operation on the variable
+returns only once its PS task did it, and never waits longer than `step_timeout`:
+
+- a write (`assign*`, `scatter_*`) is one small `tf.function` whose output, on this
+  worker, depends on the write; the call returns (or raises `ClusterError` naming the
+  task) when the PS task has done the write;
+- a dense read (`value()`, `read_value()`, `numpy()`, conversions, a checkpoint save) is
+  one small `tf.function` that reads on the PS task and returns the value on this
+  worker, ready: using it cannot block on the PS any more. Tapes see it as a read of
+  the variable.
+
+Both run in the watchdog's helper thread (`StepGuard.run`), which the caller waits for
+at most `step_timeout`: TensorFlow cannot cancel an eager call blocked on a frozen task,
+so the helper thread is abandoned then, blocked until the task resumes or dies; the
+guard then makes every later eager method raise `ClusterError` at once (until
+`reconnect()`), so one freeze leaves one thread behind, not one per call.
 
 Shared names must be the same in every worker process and unique: `SharedNames` gives
 the n-th variable that asks for the name `x` the name `x`, `x_1`, ... in creation
@@ -35,6 +53,7 @@ import itertools
 import time
 
 from diststrat._tf import tf
+from diststrat import _context
 from diststrat import _tf_internal
 from diststrat._cluster_runtime import _faults
 from diststrat._cluster_runtime import _read_cache
@@ -42,10 +61,16 @@ from diststrat._cluster_runtime import _read_cache
 INIT_LOCK_NAME = "diststrat/init_lock"
 """Shared name of the mutex on each PS task that makes create-if-missing atomic."""
 
+_VARIABLE_VALUE = "VARIABLE_VALUE"  # The checkpoint key of a plain tf.Variable's value.
 _RETRY_SECONDS = 2.0
 _RETRY_PAUSE = 0.25
 
 _unique_ids = itertools.count()
+
+def _in_real_tower():
+  tower = _context.get_tower_context()
+  return tower is not None and tower is not _context.default_tower_context()
+
 
 class SharedNames:
   """Deterministic unique names: the n-th request for `base` gets `base`, `base_1`, ...
@@ -80,8 +105,10 @@ class SharedVariable(_tf_internal.ResourceVariableFromHandle):
   """
 
   def __init__(self, *, handle, device, shared_name, shape, dtype, trainable=None,
-               synchronization=None, aggregation=None, constraint=None, guard=None):
+               synchronization=None, aggregation=None, constraint=None, guard=None,
+               local_device=None):
     self._ps_device = device
+    self._local_device = local_device
     self._guard = guard
     self._diststrat_shared_name = shared_name
     super().__init__(
@@ -107,6 +134,43 @@ class SharedVariable(_tf_internal.ResourceVariableFromHandle):
   def _uncached_read(self):
     """The variable's value, read on its PS device (never from a read cache)."""
     return _run_on_ps(self, "_read_variable_op", _READ_ON_DEVICE, (), {})
+
+  def _acknowledged(self):
+    """Whether this call's eager operations must be acknowledged and bounded here.
+
+    Eagerly, with a guard, outside a guarded call (that call bounds its operations) and
+    outside a tower (its `call_for_each_tower` is guarded).
+    """
+    return (self._guard is not None and self._local_device is not None
+            and tf.executing_eagerly() and not self._guard.inside()
+            and not _in_real_tower())
+
+  def _serialize_to_tensors(self):
+    # A save reads the value when it writes the checkpoint (a restore, which builds
+    # the same saver, does not read it): eagerly, bounded by step_timeout and onto this
+    # worker, so that writing the checkpoint waits on no PS task (and this worker
+    # writes its files).
+    if self._acknowledged():
+      return {_VARIABLE_VALUE: _tf_internal.deferred_checkpoint_value(
+          self._read_for_checkpoint, self.dtype, self._local_device)}
+    return super()._serialize_to_tensors()
+
+  def _read_for_checkpoint(self):
+    if self._acknowledged():
+      return self.read_value()
+    with tf.device(self.device):  # Called in a graph: TensorFlow's own read.
+      return tf.identity(self.read_value())
+
+  def _restore_from_tensors(self, restored_tensors):
+    # Eagerly, a restore is an acknowledged write like assign(), bounded likewise.
+    value = restored_tensors[_VARIABLE_VALUE]
+    if not self._acknowledged():
+      return super()._restore_from_tensors(restored_tensors)
+    if not self.shape.is_compatible_with(value.shape):
+      raise ValueError(f"Cannot restore variable {self.shared_name!r} of shape "
+                       f"{self.shape} from a checkpoint value of shape {value.shape}.")
+    self.assign(tf.cast(value, self.dtype), read_value=False)
+    return None
 
   def batch_scatter_update(self, sparse_delta, use_locking=False, name=None):
     # TensorFlow writes the handle directly (no wrapped method), so drop cached reads.
@@ -144,6 +208,9 @@ def _on_variable_device(name, method):
       if cache is not None and cache.applies_to(self):
         self._check_healthy(name)  # pylint: disable=protected-access
         return cache.read(self, self._uncached_read)  # pylint: disable=protected-access
+      if self._acknowledged():  # pylint: disable=protected-access
+        self._check_healthy(name)  # pylint: disable=protected-access
+        return _bounded_read(self, name)
       return _run_on_ps(self, name, method, args, kwargs)
   elif name in _WRITE_METHODS:
     def wrapper(self, *args, **kwargs):
@@ -165,10 +232,11 @@ def _run_on_ps(variable, name, method, args, kwargs):
 
   Eagerly, two TensorFlow 2.21 behaviours of remote ops are worked around. An eager
   write is asynchronous and, after a task failed, can lose its error: writes run as a
-  small `tf.function` instead, which fails with the task's error. An eager read issued
-  from another thread than the one that saw a task fail can block forever, holding the
-  GIL: once the connection has seen a failure, every eager method raises `ClusterError`
-  at once, until `reconnect()`.
+  small `tf.function` instead, acknowledged by an output on this worker, which fails
+  with the task's error (`_eager_write`). An eager read issued from another thread
+  than the one that saw a task fail can block forever, holding the GIL: once the
+  connection has seen a failure, every eager method raises `ClusterError` at once,
+  until `reconnect()`.
   """
   variable._check_healthy(name)  # pylint: disable=protected-access
   if variable._guard is not None and tf.executing_eagerly():  # pylint: disable=protected-access
@@ -187,49 +255,112 @@ _tf_internal.wrap_resource_methods(SharedVariable, _on_variable_device)
 
 
 def _eager_write(variable, method, *args, **kwargs):
-  """An eager write as one synchronous function call on the variable's PS device.
+  """An eager write as one acknowledged function call on the variable's PS device.
 
   Takes the arguments of the `tf.Variable` method `method`: `assign*(value, use_locking,
   name, read_value)`, `scatter_*(sparse_delta, use_locking, name)`,
-  `scatter_nd_*(indices, updates, name)`.
+  `scatter_nd_*(indices, updates, name)`. Returns once the PS task did the write
+  (bounded by the guard's `step_timeout` outside a guarded call), or raises.
   """
   if method in _ASSIGN_OPS:
     value = tf.convert_to_tensor(args[0] if args else kwargs["value"], dtype=variable.dtype)
     read_value = args[3] if len(args) > 3 else kwargs.get("read_value", True)
-    _write_function(variable.device, _ASSIGN_OPS[method])(variable.handle, value)
+    _acknowledged_write(variable, method, _ASSIGN_OPS[method], value)
     return variable if read_value else None
   if method in _SCATTER_OPS:
     delta = args[0] if args else kwargs["sparse_delta"]
     if not isinstance(delta, tf.IndexedSlices):
       raise TypeError(f"{method}() takes a tf.IndexedSlices. Received: {delta!r}")
-    _write_function(variable.device, _SCATTER_OPS[method])(
-        variable.handle, tf.convert_to_tensor(delta.indices),
-        tf.convert_to_tensor(delta.values, dtype=variable.dtype))
+    _acknowledged_write(variable, method, _SCATTER_OPS[method],
+                        tf.convert_to_tensor(delta.indices),
+                        tf.convert_to_tensor(delta.values, dtype=variable.dtype))
     return variable
   indices = args[0] if args else kwargs["indices"]
   updates = args[1] if len(args) > 1 else kwargs["updates"]
-  _write_function(variable.device, _SCATTER_ND_OPS[method])(
-      variable.handle, tf.convert_to_tensor(indices),
-      tf.convert_to_tensor(updates, dtype=variable.dtype))
+  _acknowledged_write(variable, method, _SCATTER_ND_OPS[method],
+                      tf.convert_to_tensor(indices),
+                      tf.convert_to_tensor(updates, dtype=variable.dtype))
   return variable
 
 
+def _acknowledged_write(variable, method, op_name, *tensors):
+  """Runs the write `op_name` and waits for its acknowledgement from the PS task.
+
+  Without an output on this worker, TensorFlow runs the call as a remote op that
+  returns before the PS task ran it (and a dead task's error surfaces at a later read);
+  the acknowledgement is an output on this worker that depends on the write.
+  """
+  local_device = variable._local_device  # pylint: disable=protected-access
+  write = _write_function(variable.device, op_name, local_device)
+
+  def call():
+    # Called on this worker: under a PS device scope (as in update()), TensorFlow would
+    # run the whole call on the PS task, its output left there.
+    with tf.device(local_device):
+      return write(variable.handle, *tensors).numpy()
+
+  if not variable._acknowledged():  # pylint: disable=protected-access
+    call()  # In a guarded call, or a tower of one: that call bounds it.
+    return
+  variable._guard.run(call, f"{method}() of variable {variable.shared_name!r}")  # pylint: disable=protected-access
+
+
 @functools.lru_cache(maxsize=None)
-def _write_function(device, op_name):
-  """A tf.function on `device` that runs the raw op `op_name` on a variable's handle."""
+def _write_function(device, op_name, local_device):
+  """A tf.function: the raw op `op_name` on a variable's handle on `device`, then an
+  acknowledgement (a scalar on `local_device`) that depends on it."""
   op = getattr(tf.raw_ops, op_name)
 
   @tf.function(autograph=False, reduce_retracing=True)
   def write(handle, *tensors):
     with tf.device(device):
       if op_name in _ASSIGN_OPS.values():
-        op(resource=handle, value=tensors[0])
+        done = op(resource=handle, value=tensors[0])
       elif op_name.startswith("ResourceScatterNd"):
-        op(ref=handle, indices=tensors[0], updates=tensors[1])
+        done = op(ref=handle, indices=tensors[0], updates=tensors[1])
       else:
-        op(resource=handle, indices=tensors[0], updates=tensors[1])
+        done = op(resource=handle, indices=tensors[0], updates=tensors[1])
+      with tf.control_dependencies([done]):
+        acknowledged = tf.constant(True)
+    with tf.device(local_device):
+      return tf.identity(acknowledged)
 
   return write
+
+
+def _bounded_read(variable, method):
+  """The variable's value on this worker, read within the guard's `step_timeout`.
+
+  The read runs in the guard's helper thread; tapes of the calling thread see the
+  value as a read of the variable.
+  """
+  local_device = variable._local_device  # pylint: disable=protected-access
+  read = _read_function(variable.device, local_device, variable.dtype)
+
+  def call():
+    with tf.device(local_device):  # Else, under a PS device scope, the value stays there.
+      return read(variable.handle)
+
+  value = variable._guard.run(  # pylint: disable=protected-access
+      call, f"{method.lstrip('_')}() of variable {variable.shared_name!r}")
+  _tf_internal.variable_accessed(variable)
+  result = tf.identity(value)
+  _tf_internal.record_variable_read(variable, result)
+  return result
+
+
+@functools.lru_cache(maxsize=None)
+def _read_function(device, local_device, dtype):
+  """A tf.function: a variable's value read on `device`, returned on `local_device`."""
+
+  @tf.function(autograph=False, reduce_retracing=True)
+  def read(handle):
+    with tf.device(device):
+      value = tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
+    with tf.device(local_device):
+      return tf.identity(value)
+
+  return read
 
 
 @functools.lru_cache(maxsize=None)
@@ -323,4 +454,5 @@ def create_shared_variable(*, device, local_device, shared_name, initial_value, 
         "start from scratch.")
   return SharedVariable(handle=handle, device=device, shared_name=shared_name, shape=shape,
                         dtype=dtype, trainable=trainable, synchronization=synchronization,
-                        aggregation=aggregation, constraint=constraint, guard=guard)
+                        aggregation=aggregation, constraint=constraint, guard=guard,
+                        local_device=local_device)

@@ -119,15 +119,17 @@ class _Job:
 class _HelperThread:
   """A daemon thread that runs guarded calls one at a time until abandoned."""
 
-  def __init__(self, guard, name):
+  def __init__(self, guard, name, jobs=None):
     self.jobs = queue.Queue()
     self.abandoned = False
+    self.busy = False  # Set by the caller that queues a job, cleared when it is done.
+    self._left = jobs  # Jobs to run before ending; None: until abandoned.
     self.thread = threading.Thread(target=self._main, args=(guard,), name=name, daemon=True)
     self.thread.start()
 
   def _main(self, guard):
     guard._local.inside = True  # pylint: disable=protected-access
-    while not self.abandoned:
+    while not self.abandoned and self._left != 0:
       try:
         job = self.jobs.get(timeout=1.0)
       except queue.Empty:
@@ -137,6 +139,9 @@ class _HelperThread:
       except BaseException as e:  # pylint: disable=broad-except
         job.error = e
       finally:
+        if self._left is not None:
+          self._left -= 1
+        self.busy = False
         job.done.set()
 
 
@@ -155,16 +160,20 @@ class StepGuard:
       or froze; a task restarted).
     blame_silent_peers: when a call times out (`DeadlineExceededError`) although every
       task answers, name them all as not having joined (collectives across workers).
+    known_fault: `known_fault(error)` returns (task or None, status) when the fault
+      behind `error` is already known (a watchdog aborted the call), else None; status
+      as a probe's: "cannot be reached ...", "restarted", "does not answer", "answers".
   """
 
   def __init__(self, tasks, probe, timeout, name, role="Parameter server task",
                advice=_PS_ADVICE, restarted_advice=_PS_RESTARTED_ADVICE,
-               blame_silent_peers=False):
+               blame_silent_peers=False, known_fault=None):
     self.tasks = tuple(tasks)
     self._probe = probe
     self._advice = advice
     self._restarted_advice = restarted_advice
     self._blame_silent_peers = blame_silent_peers
+    self._known_fault = known_fault
     self.timeout = timeout
     self._name = name
     self._role = role
@@ -185,6 +194,17 @@ class StepGuard:
   def clear_failure(self):
     """Forgets the fault seen: called when connecting again."""
     self._failure = None
+
+  def wait_for(self, wait, what="waiting for the operations sent to the cluster"):
+    """`wait()` (TensorFlow's wait for pending eager work) bounded, faults as `ClusterError`.
+
+    Installed as the process's sync hook (`_tf_internal.install_sync_hook`): checkpoint
+    saves and `context.async_wait()` wait through it. Once a task failed, TensorFlow's
+    wait can block forever, so it raises `ClusterError` at once until `clear_failure()`.
+    """
+    if tf.executing_eagerly() and not self.inside():
+      self.check_healthy(what)
+    return self.run(wait, what)
 
   @property
   def timeout(self):
@@ -220,6 +240,11 @@ class StepGuard:
       if self._helper is None:
         self._helper = _HelperThread(self, name=f"diststrat-step-{id(self):x}")
       helper = self._helper
+      if helper.busy:
+        # Another thread's call holds the helper (a step, while this thread reads a
+        # variable): this call gets a thread of its own, which ends after it.
+        helper = _HelperThread(self, name=f"diststrat-call-{id(self):x}", jobs=1)
+      helper.busy = True
     helper.jobs.put(job)
     start = time.monotonic()
     probes = None
@@ -266,10 +291,12 @@ class StepGuard:
     """
     if not isinstance(error, tf.errors.OpError) or not _faults.is_cluster_fault(error):
       return error
-    task, status = self._blame(error, probe)
+    known = self._known_fault(error) if self._known_fault is not None else None
+    task, status = known if known is not None else self._blame(error, probe)
     summary = _faults.error_summary(error)
-    if task is None and status is None and self._blame_silent_peers and isinstance(
-        error, tf.errors.DeadlineExceededError):
+    if status == "answers" or (
+        task is None and status is None and self._blame_silent_peers and isinstance(
+            error, tf.errors.DeadlineExceededError)):
       # Every peer answers, yet the collective timed out: they did not join it.
       if record and self._failure is None:
         self._failure = error
@@ -288,6 +315,9 @@ class StepGuard:
                                  _faults.error_means_task_restarted(error)):
       message = (f"{who} restarted since {self._name} connected to it, so the state it "
                  f"held is gone ({what} failed: {summary}). {self._restarted_advice}")
+    elif status == "does not answer":
+      message = (f"{who} does not answer: it is frozen or cut off ({what} failed: "
+                 f"{summary}). {self._advice}")
     else:
       message = (f"{who} cannot be reached: it died or its network is down ({what} "
                  f"failed: {summary}). {self._advice}")
@@ -347,7 +377,7 @@ class StepGuard:
                 "seconds).")
     raise errors.ClusterError(
         f"{what} of {self._name} did not finish within step_timeout={self.timeout:g} s, "
-        f"{cause}. The step was abandoned: its thread stays blocked in TensorFlow and "
+        f"{cause}. It was abandoned: its thread stays blocked in TensorFlow and "
         f"may still apply its updates if the task comes back. {advice}", task=task)
 
   # --- probes ---

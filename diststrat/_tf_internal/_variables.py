@@ -8,6 +8,9 @@
   with the component's answer, which these functions fetch (`shared_name`, `unique_id`,
   `in_graph_mode`, `dense_var_to_tensor`, `copy_trackable_to_cpu`,
   `export_to_saved_model_graph`, `write_object_proto`).
+- A variable's checkpoint value can be read only when a save writes it, not when a
+  restore builds its saver (a restarted PS task has no value to read):
+  `deferred_checkpoint_value`.
 - A Keras optimizer finds the variable that owns the copy it updates, to find that
   variable's slots, through the copy's `_distributed_container`
   (`set_distributed_container`, `distributed_container`).
@@ -15,6 +18,7 @@
 
 import functools
 
+from tensorflow.python.checkpoint import tensor_callable as _tensor_callable  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 from diststrat._tf_internal import _base
@@ -109,6 +113,16 @@ def export_to_saved_model_graph(variable, object_map, tensor_map, options, **kwa
   """Writes `variable` into the SavedModel graph being built; returns its resources."""
   return variable._export_to_saved_model_graph(
       object_map=object_map, tensor_map=tensor_map, options=options, **kwargs)
+
+
+def deferred_checkpoint_value(read, dtype, device):
+  """A value for `_serialize_to_tensors` that a save computes with `read()` when it
+  writes the checkpoint (a restore never calls it).
+
+  `device` is where `read()` puts the value: a save groups its values by task, and the
+  files of each task's values are written by that task.
+  """
+  return _tensor_callable.Callable(read, dtype=dtype, device=device)
 
 
 def write_object_proto(variable, proto, options):

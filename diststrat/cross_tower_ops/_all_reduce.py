@@ -138,7 +138,7 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
   """
 
   def __init__(self, algorithm: str = "collective", num_packs: int = 1,
-               timeout: float | None = _DEFAULT_TIMEOUT):
+               timeout: float | None = _DEFAULT_TIMEOUT) -> None:
     super().__init__()
     if algorithm not in _ALGORITHMS:
       raise ValueError(f"algorithm must be one of {', '.join(map(repr, _ALGORITHMS))}. "

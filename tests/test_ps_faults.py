@@ -1,0 +1,334 @@
+"""Faults of a PS task on the paths a user takes outside `run_step` (issue 18, SPEC §9).
+
+Real processes on loopback, as in tests/test_cluster.py: a `LocalCluster` PS task is
+frozen (SIGSTOP), killed or restarted by this process while a worker process runs one of
+the functions below. The worker asks for each fault through files (`_Control`), so that
+it knows exactly when it happened. Every call a worker makes on a faulty PS runs in a
+thread it waits for with a bound (`_bounded`): a call that blocks is reported as
+"blocked" instead of hanging the test.
+
+- A frozen PS: eager reads (`numpy()`, `read_value()`, `np.asarray`), `read_var` and
+  checkpoint saves raise `ClusterError` naming the task within `step_timeout`.
+- A killed PS: writes (`update`, `assign*`, `scatter_*`) raise `ClusterError` from the
+  call itself, not at a later read.
+- A PS killed during checkpoint saves, at seeded random moments: every save that fails
+  raises `ClusterError` naming the task, and is never registered as the latest
+  checkpoint.
+"""
+
+import os
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from diststrat.cluster import LocalCluster
+from diststrat.errors import ClusterError
+
+pytestmark = pytest.mark.usefixtures("no_child_left")  # (conftest.py)
+PS0 = "/job:ps/replica:0/task:0"
+STEP_TIMEOUT = 3.0
+MARGIN = 10.0  # Seconds a bounded call may take beyond its bound on a loaded machine.
+
+
+def _write(path, text=""):
+  with open(path + ".tmp", "w") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
+
+
+def _wait_for_file(path, timeout=90.0):
+  deadline = time.monotonic() + timeout
+  while not os.path.exists(path):
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"{path} did not appear within {timeout} s")
+    time.sleep(0.02)
+  with open(path) as f:
+    return f.read()
+
+
+class _Control:
+  """In a worker: asks the test process for a fault and waits until it happened."""
+
+  def __init__(self, sync_dir):
+    self._dir = sync_dir
+    self._count = 0
+
+  def __call__(self, action):
+    self._count += 1
+    _write(os.path.join(self._dir, f"request_{self._count}"), action)
+    _wait_for_file(os.path.join(self._dir, f"done_{self._count}"))
+
+
+def _serve_faults(cluster, sync_dir):
+  """In the test process: does what the worker's `_Control` asks, until "end" or the
+  worker's result; returns a join() that re-raises what went wrong."""
+  failures, stop = [], threading.Event()
+
+  def serve():
+    count = 0
+    try:
+      while not stop.is_set():
+        count += 1
+        path = os.path.join(sync_dir, f"request_{count}")
+        while not os.path.exists(path):
+          if stop.wait(0.02):
+            return
+        with open(path) as f:
+          action = f.read().split()
+        done = os.path.join(sync_dir, f"done_{count}")
+        if action[0] == "freeze":
+          cluster.kill("ps", 0, signal.SIGSTOP)
+        elif action[0] == "thaw":
+          cluster.kill("ps", 0, signal.SIGCONT)
+        elif action[0] == "kill":
+          cluster.kill("ps", 0)
+        elif action[0] == "restart":
+          cluster.restart("ps", 0)
+        elif action[0] == "kill_after":  # Answers at once, kills after the delay.
+          _write(done)
+          time.sleep(float(action[1]))
+          cluster.kill("ps", 0)
+          continue
+        _write(done)
+    except BaseException as e:  # pylint: disable=broad-except
+      failures.append(e)
+
+  thread = threading.Thread(target=serve, daemon=True)
+  thread.start()
+
+  def join():
+    stop.set()
+    thread.join(30)
+    if failures:
+      raise failures[0]
+
+  return join
+
+
+def _bounded(fn, timeout):
+  """("returned", result) | ("raised", error) | ("blocked", None): `fn()` in a thread,
+  waited for at most `timeout` s; plus the seconds it took."""
+  outcome = {}
+
+  def target():
+    try:
+      outcome["returned"] = fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      outcome["raised"] = e
+
+  start = time.monotonic()
+  thread = threading.Thread(target=target, daemon=True)
+  thread.start()
+  thread.join(timeout)
+  elapsed = time.monotonic() - start
+  for kind in ("returned", "raised"):
+    if kind in outcome:
+      return kind, outcome[kind], elapsed
+  return "blocked", None, elapsed
+
+
+def _describe(kind, value, elapsed):
+  """A picklable summary of a `_bounded` outcome."""
+  if kind == "raised":
+    return {"kind": kind, "type": type(value).__name__, "task": getattr(value, "task", None),
+            "message": str(value)[:400], "elapsed": elapsed}
+  return {"kind": kind, "type": None, "task": None, "message": "", "elapsed": elapsed}
+
+
+def _reconnect(strategy, timeout=60.0):
+  """`strategy.reconnect()`, again while gRPC backs off from the failed connections."""
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      return strategy.reconnect()
+    except ClusterError:
+      if time.monotonic() > deadline:
+        raise
+      time.sleep(0.5)
+
+
+def _cluster():
+  return LocalCluster(1, 1, strategy_kwargs={"step_timeout": STEP_TIMEOUT},
+                      start_timeout=60, result_timeout=250)
+
+
+# --- a frozen PS: reads and saves are bounded (item 2) ---------------------------------
+
+
+def _frozen_reads_fn(strategy, sync_dir, ckpt_dir):
+  control = _Control(sync_dir)
+  with strategy.scope():
+    v = tf.Variable([1.0, 2.0], name="v")
+  checkpoint = tf.train.Checkpoint(v=v)
+  manager = tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=20)
+  paths = {
+      "numpy": v.numpy,
+      "read_value": lambda: v.read_value().numpy(),
+      "np.asarray": lambda: np.asarray(v),
+      "read_var": lambda: strategy.read_var(v).numpy(),
+      "CheckpointManager.save": manager.save,
+      "Checkpoint.write": lambda: checkpoint.write(os.path.join(ckpt_dir, "written")),
+  }
+  outcomes = {}
+  for name, path in paths.items():
+    path()  # Works, and everything it uses is traced, before the freeze.
+    latest = manager.latest_checkpoint
+    control("freeze")
+    outcome = _describe(*_bounded(path, STEP_TIMEOUT + MARGIN))
+    outcome["latest_unchanged"] = (manager.latest_checkpoint == latest and
+                                   tf.train.latest_checkpoint(ckpt_dir) == latest)
+    outcomes[name] = outcome
+    control("thaw")
+    _reconnect(strategy)
+    outcomes[name]["after_thaw"] = v.numpy().tolist()
+  return outcomes
+
+
+@pytest.mark.timeout(300)
+def test_frozen_ps_makes_eager_reads_and_saves_raise_within_step_timeout(tmp_path):
+  sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
+  sync_dir.mkdir()
+  with _cluster() as cluster:
+    join = _serve_faults(cluster, str(sync_dir))
+    try:
+      [outcomes] = cluster.run_on_workers(_frozen_reads_fn, sync_dir=str(sync_dir),
+                                          ckpt_dir=str(ckpt_dir))
+    finally:
+      join()
+  assert len(outcomes) == 6
+  for path, outcome in outcomes.items():
+    assert (outcome["kind"], outcome["type"], outcome["task"]) == (
+        "raised", "ClusterError", PS0), (path, outcome)
+    assert f"waiting on {PS0}, which does not answer (frozen, or cut off)" in (
+        outcome["message"]), (path, outcome)
+    assert outcome["elapsed"] < STEP_TIMEOUT + MARGIN, (path, outcome)
+    assert outcome["latest_unchanged"], (path, outcome)
+    assert outcome["after_thaw"] == [1.0, 2.0], (path, outcome)
+
+
+# --- a killed PS: writes are acknowledged (item 3) -------------------------------------
+
+
+def _killed_writes_fn(strategy, sync_dir):
+  control = _Control(sync_dir)
+  with strategy.scope():
+    v = tf.Variable([1.0, 2.0, 3.0], name="v")
+  ones = tf.ones([3])
+  writes = {
+      "update(assign_add)": lambda: strategy.update(v, lambda c: c.assign_add(ones)),
+      "assign_add": lambda: v.assign_add(ones),
+      "assign_sub": lambda: v.assign_sub(ones),
+      "assign": lambda: v.assign(ones),
+      "scatter_add": lambda: v.scatter_add(tf.IndexedSlices(tf.constant([1.0]),
+                                                            tf.constant([0]))),
+      "scatter_nd_update": lambda: v.scatter_nd_update([[1]], [5.0]),
+  }
+  outcomes = {}
+  for name, write in writes.items():
+    for _ in range(3):  # Traced and known to the PS task before it dies.
+      write()
+    v.numpy()
+    control("kill")
+    calls = []
+
+    def three_writes():
+      for _ in range(3):
+        write()
+        calls.append(1)
+
+    outcomes[name] = _describe(*_bounded(three_writes, STEP_TIMEOUT + MARGIN))
+    outcomes[name]["returned_before_raising"] = len(calls)
+    control("restart")
+    _reconnect(strategy)
+    v.assign([1.0, 2.0, 3.0])  # The restarted task lost v.
+  return outcomes
+
+
+@pytest.mark.timeout(300)
+def test_writes_to_a_killed_ps_raise_from_the_call(tmp_path):
+  with _cluster() as cluster:
+    join = _serve_faults(cluster, str(tmp_path))
+    try:
+      [outcomes] = cluster.run_on_workers(_killed_writes_fn, sync_dir=str(tmp_path))
+    finally:
+      join()
+  assert len(outcomes) == 6
+  for write, outcome in outcomes.items():
+    # The first write after the kill raises: none returns as if it had been done.
+    assert outcome["returned_before_raising"] == 0, (write, outcome)
+    assert (outcome["kind"], outcome["type"], outcome["task"]) == (
+        "raised", "ClusterError", PS0), (write, outcome)
+    assert f"Parameter server task {PS0} cannot be reached" in outcome["message"], (
+        write, outcome)
+    assert outcome["elapsed"] < STEP_TIMEOUT + MARGIN, (write, outcome)
+
+
+# --- a PS killed during saves: ClusterError, never the latest (item 4) -----------------
+
+
+SAVES_KILLED = 12
+
+
+def _saves_killed_fn(strategy, sync_dir, ckpt_dir, seed):
+  control = _Control(sync_dir)
+  with strategy.scope():
+    weights = {f"w{i}": tf.Variable(tf.random.stateless_normal([256, 256], seed=[i, 0]),
+                                    name=f"w{i}") for i in range(16)}  # 4 MB in all
+  manager = tf.train.CheckpointManager(tf.train.Checkpoint(**weights), ckpt_dir,
+                                       max_to_keep=100)
+  start = time.monotonic()
+  for _ in range(3):
+    manager.save()
+  save_seconds = (time.monotonic() - start) / 3
+  rng = random.Random(seed)
+  outcomes = []
+  for _ in range(SAVES_KILLED):
+    # The kill lands anywhere in the first two saves after the request, or between.
+    delay = rng.uniform(0.0, 2.0 * save_seconds)
+    control(f"kill_after {delay:.4f}")
+    deadline = time.monotonic() + 30
+    outcome = None
+    while time.monotonic() < deadline:  # Saves until one fails.
+      before = manager.latest_checkpoint
+      kind, value, elapsed = _bounded(manager.save, STEP_TIMEOUT + MARGIN)
+      if kind == "returned":
+        continue
+      outcome = _describe(kind, value, elapsed)
+      outcome["latest_before"] = before
+      outcome["latest_after"] = manager.latest_checkpoint
+      outcome["latest_in_state_file"] = tf.train.latest_checkpoint(ckpt_dir)
+      outcome["delay"] = delay
+      break
+    outcomes.append(outcome)
+    control("restart")
+    _reconnect(strategy)
+    manager.restore_or_initialize()
+  return {"outcomes": outcomes, "save_seconds": save_seconds}
+
+
+@pytest.mark.timeout(600)
+def test_ps_killed_during_saves_raises_cluster_error_and_the_save_is_not_the_latest(
+    tmp_path):
+  sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
+  sync_dir.mkdir()
+  with _cluster() as cluster:
+    join = _serve_faults(cluster, str(sync_dir))
+    try:
+      [result] = cluster.run_on_workers(_saves_killed_fn, sync_dir=str(sync_dir),
+                                        ckpt_dir=str(ckpt_dir), seed=18)
+    finally:
+      join()
+  outcomes = result["outcomes"]
+  assert len(outcomes) == SAVES_KILLED
+  for i, outcome in enumerate(outcomes):
+    assert outcome is not None, (i, "no save failed within 30 s of the kill")
+    assert (outcome["kind"], outcome["type"], outcome["task"]) == (
+        "raised", "ClusterError", PS0), (i, outcome)
+    # The save that raised is not registered: the latest is still the one before it.
+    assert outcome["latest_after"] == outcome["latest_before"], (i, outcome)
+    assert outcome["latest_in_state_file"] == outcome["latest_before"], (i, outcome)
