@@ -30,5 +30,19 @@ demo: export TF_ENABLE_ONEDNN_OPTS ?= 0
 demo: install
 	$(PY) examples/digits.py $(DEMO_ARGS)
 
+# Every benchmark's --quick smoke run, one after another (never two at once: they time
+# shared cores), each writing its JSON to benchmarks/results/.
+# The figures in docs/benchmarks.md come from the full runs named there, not from these.
+BENCH_RESULTS ?= benchmarks/results
+bench: export TF_CPP_MIN_LOG_LEVEL ?= 2
+bench: install
+	@mkdir -p $(BENCH_RESULTS)
+	$(PY) benchmarks/mirrored_benchmark.py --quick --out $(BENCH_RESULTS)/mirrored_quick.json
+	$(PY) benchmarks/scaling_benchmark.py --quick --out $(BENCH_RESULTS)/scaling_quick.json
+	$(PY) benchmarks/keras_benchmark.py --quick --out $(BENCH_RESULTS)/keras_quick.json
+	$(PY) benchmarks/pipeline_benchmark.py --quick --out $(BENCH_RESULTS)/pipeline_quick.json
+	$(PY) benchmarks/ps_benchmark.py --quick --out $(BENCH_RESULTS)/ps_quick.json
+	$(PY) benchmarks/multi_worker_benchmark.py --quick --out $(BENCH_RESULTS)/multi_worker_quick.json
+
 clean:
 	rm -rf $(VENV) .pytest_cache

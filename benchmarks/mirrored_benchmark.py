@@ -8,9 +8,14 @@ machine drifts up to 2x between runs, so only same-run ratios mean anything):
       and 4 towers, the whole step in one tf.function;
   (b) first-call time (trace + first run) of the same steps;
   (c) batch_reduce of 1, 16 and 64 MiB split into 50 float32 tensors on 4 devices, every
-      algorithm, in GB/s (bytes of one tower's values / time);
+      algorithm, in GB/s (bytes of one tower's values / time), inside a tf.function that
+      returns every copy of every result (TensorFlow prunes what a function does not
+      return, so returning one copy would skip the copies to the other devices);
   (d) peak memory (resident set) of a 4-tower MLP training run, one fresh process per
-      contender.
+      contender, against tf.distribute's default (its collective all-reduce here).
+
+Ratios are printed against tf.distribute's default cross-device ops and against its
+best one in the same run.
 
 Both libraries run the same algorithm: per-tower gradients, a sum across towers onto
 each variable, `var -= lr * grad` on every copy. tf.distribute is only ever the peer
@@ -19,6 +24,7 @@ here; diststrat never uses it.
 Usage:
   python benchmarks/mirrored_benchmark.py --out benchmarks/results/mirrored.json
   python benchmarks/mirrored_benchmark.py --quick   # a short smoke run
+  python benchmarks/mirrored_benchmark.py --parts=batch_reduce   # (c) only
 """
 
 import json
@@ -41,6 +47,8 @@ import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 flags.DEFINE_string("out", "benchmarks/results/mirrored.json", "Where to write the JSON report.")
 flags.DEFINE_bool("quick", False, "A short smoke run.")
 flags.DEFINE_integer("rounds", None, "Timed blocks per contender (default 7; 2 with --quick).")
+flags.DEFINE_multi_enum("parts", None, ["steps", "batch_reduce", "memory"],
+                        "What to measure (repeatable; default all, without memory with --quick).")
 flags.DEFINE_string("group", None, "Internal: run one group of contenders in this process.")
 FLAGS = flags.FLAGS
 
@@ -216,7 +224,11 @@ def build_tf_distribute(spec, devices, ops_name):
 
 def contenders(devices, n, quick):
   """(label, library, builder) for n towers."""
-  result = [("diststrat", "diststrat", lambda spec: build_diststrat(spec, devices[:n], "default"))]
+  result = [("diststrat default", "diststrat",
+             lambda spec: build_diststrat(spec, devices[:n], "default"))]
+  if n > 1:  # The default is the collective all-reduce; "naive" is faster on logical CPUs.
+    result.append(("diststrat naive", "diststrat",
+                   lambda spec: build_diststrat(spec, devices[:n], "naive")))
   if n > 1 and not quick:
     result.append(("diststrat one_device", "diststrat",
                    lambda spec: build_diststrat(spec, devices[:n], "one_device")))
@@ -234,10 +246,18 @@ def contenders(devices, n, quick):
 
 
 def timed(fn, args):
+  """Seconds of `fn(*args)` until its outputs exist on every device.
+
+  Waits by reading back one element per device that holds an output (ops on a device run
+  in order), not the outputs themselves: copying every output to numpy (200 tensors of
+  up to 1.3 MB here) took as long as the reductions being timed.
+  """
   start = time.perf_counter()
   out = fn(*args)
-  if out is not None:
-    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
+  last = {t.device: t for t in tf.nest.flatten(out) if hasattr(t, "device")}
+  for t in last.values():
+    with tf.device(t.device):
+      tf.reshape(t, [-1])[:1].numpy()
   return time.perf_counter() - start
 
 
@@ -291,12 +311,18 @@ def reduce_contenders(devices):
   return ours, theirs
 
 
-def _closure_reduce(reduce_fn):
-  """A tf.function with no arguments that runs `reduce_fn()` and returns one copy of each
-  result."""
+def _closure_reduce(reduce_fn, local_results):
+  """A tf.function with no arguments that runs `reduce_fn()` and returns every copy of
+  every result (`local_results(m)`: the components of one reduced value).
+
+  Every copy, not one: TensorFlow prunes the ops whose results a function does not
+  return, so returning one copy would leave out the copies to the other devices for
+  every algorithm but the collective one (whose results wait for each other), and the
+  contenders would not do equal work.
+  """
   @tf.function
   def run():
-    return [m.values[0] for m in reduce_fn()]
+    return [c for m in reduce_fn() for c in local_results(m)]
   return run
 
 
@@ -322,7 +348,7 @@ def run_batch_reduce(devices, sizes_mib, rounds):
       # time Python's argument binding of 200 tensors, not the reduction.
       entries.append({"label": label, "library": "diststrat",
                       "fn": _closure_reduce(lambda ops=ops: ops.batch_reduce(
-                          "sum", [(v, None) for v in values]))})
+                          "sum", [(v, None) for v in values]), lambda m: m.values)})
     default_tf = tf_strategy(devices, "default")
     dist = [default_tf.experimental_distribute_values_from_function(
         lambda ctx, c=c: c[devices[ctx.replica_id_in_sync_group]]) for c in per_device]
@@ -330,7 +356,8 @@ def run_batch_reduce(devices, sizes_mib, rounds):
       ops = ops or default_tf.extended._cross_device_ops  # pylint: disable=protected-access
       entries.append({"label": label, "library": "tf.distribute",
                       "fn": _closure_reduce(lambda ops=ops: ops.batch_reduce(
-                          tf.distribute.ReduceOp.SUM, [(v, v) for v in dist]))})
+                          tf.distribute.ReduceOp.SUM, [(v, v) for v in dist]),
+                                            default_tf.experimental_local_results)})
     for entry in entries:
       entry["fn"]()
       entry["fn"]()
@@ -347,19 +374,30 @@ def run_batch_reduce(devices, sizes_mib, rounds):
   return results
 
 
-def peak_memory(library, steps):
-  """Peak RSS (MiB) of a fresh process training the MLP on 4 towers with `library`."""
+# Peak memory: (label, library, reduction) in fresh processes; ratios are against
+# tf.distribute's default (the collective all-reduce here).
+MEMORY_CONTENDERS = [
+    ("diststrat default", "diststrat", "default"),
+    ("diststrat naive", "diststrat", "naive"),
+    ("tf.distribute default", "tf.distribute", "default"),
+    ("tf.distribute one_device", "tf.distribute", "one_device"),
+]
+
+
+def peak_memory(library, ops_name, steps):
+  """Peak RSS (MiB) of a fresh process training the MLP on 4 towers with `library`'s
+  `ops_name` reduction."""
+  build = "build_diststrat" if library == "diststrat" else "build_tf_distribute"
   code = (
       "import sys, resource; sys.path.insert(0, %r)\n"
       "import mirrored_benchmark as b\n"
       "devices = b.configure_devices()\n"
       "spec = b.mlp_spec()\n"
-      "step, args = (b.build_diststrat(spec, devices, 'default') if %r == 'diststrat' else\n"
-      "              b.build_tf_distribute(spec, devices, 'one_device'))\n"
+      "step, args = b.%s(spec, devices, %r)\n"
       "for _ in range(%d): step(*args)\n"
       "b.sync()\n"
       "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)\n"
-  ) % (os.path.dirname(os.path.abspath(__file__)), library, steps)
+  ) % (os.path.dirname(os.path.abspath(__file__)), build, ops_name, steps)
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=600, check=True)
   return float(out.stdout.strip().splitlines()[-1])
@@ -415,17 +453,21 @@ def main(argv):
     return
   report = {"tensorflow": tf.__version__, "rounds": rounds, "command": " ".join(sys.argv),
             "throughput": [], "batch_reduce": [], "memory": {}}
+  parts = args.parts or (["steps", "batch_reduce"] if args.quick else
+                         ["steps", "batch_reduce", "memory"])
   towers = [1, 4] if args.quick else [1, 2, 4]
-  for model in (["mlp"] if args.quick else ["mlp", "cnn"]):
-    for n in towers:
-      entries = run_in_subprocess(f"{model}:{n}", args.quick, rounds)
-      report["throughput"].extend(entries)
-      print_throughput(model, n, entries)
-  report["batch_reduce"] = run_in_subprocess("batch_reduce", args.quick, rounds)
-  print_batch_reduce(report["batch_reduce"])
-  if not args.quick:
-    for library in ("diststrat", "tf.distribute"):
-      report["memory"][library] = peak_memory(library, 20)
+  if "steps" in parts:
+    for model in (["mlp"] if args.quick else ["mlp", "cnn"]):
+      for n in towers:
+        entries = run_in_subprocess(f"{model}:{n}", args.quick, rounds)
+        report["throughput"].extend(entries)
+        print_throughput(model, n, entries)
+  if "batch_reduce" in parts:
+    report["batch_reduce"] = run_in_subprocess("batch_reduce", args.quick, rounds)
+    print_batch_reduce(report["batch_reduce"])
+  if "memory" in parts:
+    for label, library, ops_name in MEMORY_CONTENDERS:
+      report["memory"][label] = peak_memory(library, ops_name, 20)
     print_memory(report["memory"])
   _common.write_report(report, args.out)
 
@@ -435,21 +477,29 @@ def _best_tf(entries, key="throughput"):
   return max(tf_entries, key=lambda e: e[key]["median"]) if tf_entries else None
 
 
+def _default_tf(entries):
+  return next(e for e in entries if e["label"].startswith("tf.distribute default"))
+
+
 def print_throughput(model, n, entries):
   best_tf = _best_tf(entries)
+  default_tf = _default_tf(entries)
   none = next(e for e in entries if e["library"] == "none")
+  first_default = default_tf["first_call_s"]
+  first_fastest = min(x["first_call_s"] for x in entries if x["library"] == "tf.distribute")
   print(f"\n### {model}, {n} tower(s): examples/s (median, min-max over blocks)\n")
-  print("| contender | examples/s | vs best tf.distribute | vs no strategy | first call (s) | "
-        "first call vs tf.distribute |")
-  print("|---|---|---|---|---|---|")
+  print("| contender | examples/s | vs tf.distribute default | vs best tf.distribute | "
+        "vs no strategy | first call (s) | first call vs tf.distribute default | "
+        "first call vs fastest tf.distribute |")
+  print("|---|---|---|---|---|---|---|---|")
   for e in entries:
     t = e["throughput"]
-    ratio_tf = t["median"] / best_tf["throughput"]["median"] if best_tf else float("nan")
-    ratio_none = t["median"] / none["throughput"]["median"]
-    first_tf = min(x["first_call_s"] for x in entries if x["library"] == "tf.distribute")
     print(f"| {e['label']} | {t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | "
-          f"{ratio_tf:.2f}x | {ratio_none:.2f}x | {e['first_call_s']:.2f} | "
-          f"{e['first_call_s'] / first_tf:.2f}x |")
+          f"{t['median'] / default_tf['throughput']['median']:.2f}x | "
+          f"{t['median'] / best_tf['throughput']['median']:.2f}x | "
+          f"{t['median'] / none['throughput']['median']:.2f}x | {e['first_call_s']:.2f} | "
+          f"{e['first_call_s'] / first_default:.2f}x | "
+          f"{e['first_call_s'] / first_fastest:.2f}x |")
   sys.stdout.flush()
 
 
@@ -457,23 +507,25 @@ def print_batch_reduce(entries):
   for size in sorted({e["size_mib"] for e in entries}):
     rows = [e for e in entries if e["size_mib"] == size]
     best_tf = _best_tf(rows)
-    print(f"\n### batch_reduce of {size} MiB in 50 float32 tensors, {NUM_DEVICES} devices: "
-          "GB/s per tower (median, min-max)\n")
-    print("| algorithm | GB/s | vs best tf.distribute |")
-    print("|---|---|---|")
+    default_tf = _default_tf(rows)
+    print(f"\n### batch_reduce of {size} MiB in 50 float32 tensors, {NUM_DEVICES} devices, "
+          "inside tf.function, every copy returned: GB/s per tower (median, min-max)\n")
+    print("| algorithm | GB/s | vs tf.distribute default | vs best tf.distribute |")
+    print("|---|---|---|---|")
     for e in rows:
       t = e["throughput"]
       print(f"| {e['label']} | {t['median']:.2f} ({t['min']:.2f}-{t['max']:.2f}) | "
+            f"{t['median'] / default_tf['throughput']['median']:.2f}x | "
             f"{t['median'] / best_tf['throughput']['median']:.2f}x |")
   sys.stdout.flush()
 
 
 def print_memory(memory):
-  print("\n### peak memory of 4-tower MLP training (fresh process each)\n")
-  print("| library | peak RSS (MiB) | vs tf.distribute |")
+  print("\n### peak memory of 4-tower MLP training, 20 steps (fresh process each)\n")
+  print("| contender | peak RSS (MiB) | vs tf.distribute default (collective) |")
   print("|---|---|---|")
-  for library, mib in memory.items():
-    print(f"| {library} | {mib:.0f} | {mib / memory['tf.distribute']:.2f}x |")
+  for label, mib in memory.items():
+    print(f"| {label} | {mib:.0f} | {mib / memory['tf.distribute default']:.2f}x |")
 
 
 if __name__ == "__main__":

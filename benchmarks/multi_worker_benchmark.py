@@ -189,7 +189,7 @@ def build_diststrat(spec, task, cpus, options):
     # Values captured by closure: as arguments, Python's binding of 50 x towers tensors
     # would be timed too.
     reduced = strategy.batch_reduce("sum", [(v, None) for v in values])
-    return [m.values[0] for m in reduced]
+    return [c for m in reduced for c in m.values]  # Every copy, so none is pruned.
 
   if not options["eager"]:
     reduce_all = tf.function(reduce_all)
@@ -248,7 +248,7 @@ def build_tf_distribute(spec, task, cpus, options):
   def reduce_all():
     reduced = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM,
                                                 [(v, v) for v in values])
-    return [strategy.experimental_local_results(m)[0] for m in reduced]
+    return [c for m in reduced for c in strategy.experimental_local_results(m)]
 
   if not options["eager"]:
     reduce_all = tf.function(reduce_all)

@@ -217,8 +217,9 @@ class TowerContext:
     1
   """
 
-  def __init__(self, distribution_strategy, tower_id, num_towers=1, device=None,
-               batch_share=None):
+  def __init__(self, distribution_strategy: typing.Any, tower_id: typing.Any,
+               num_towers: int = 1, device: typing.Optional[str] = None,
+               batch_share: typing.Any = None) -> None:
     self._strategy = distribution_strategy
     self._tower_id = tower_id
     self._num_towers = num_towers

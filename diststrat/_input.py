@@ -1,6 +1,6 @@
 """Input splitting: global batches from a tf.data pipeline become per-tower batches."""
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from diststrat._tf import tf
 from diststrat.values import _wrapped
@@ -30,7 +30,7 @@ class PerDeviceDataset:
   """
 
   def __init__(self, dataset: tf.data.Dataset, devices: Sequence[str] | None = None,
-               prefetch: bool = True, first_tower: int = 0, num_towers: int | None = None):
+               prefetch: bool = True, first_tower: int = 0, num_towers: int | None = None) -> None:
     """See the class docstring.
 
     Args:
@@ -56,7 +56,7 @@ class PerDeviceDataset:
   def __iter__(self):
     return PerDeviceIterator(iter(self._dataset), self._devices, self._share)
 
-  def make_one_shot_iterator(self):
+  def make_one_shot_iterator(self) -> Any:
     """An iterator over the per-tower batches, with `get_next()`."""
     return iter(self)
 

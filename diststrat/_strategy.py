@@ -81,7 +81,9 @@ class _StrategyScope:
   def __exit__(self, exc_type, exc, tb):
     if self._exit_stack is not None:
       stack, self._exit_stack = self._exit_stack, None
-      stack.close()
+      # The exception, if any, goes through the managers entered (mode listeners may
+      # explain it); it is never suppressed.
+      stack.__exit__(exc_type, exc, tb)
     return False
 
 
@@ -101,7 +103,7 @@ class DistributionStrategy:
   start with an underscore) listed under "Subclasses implement" below.
   """
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._local = threading.local()
 
   # ---------------------------------------------------------------------------------

@@ -10,8 +10,14 @@ the same model on one device with no strategy and prints both results side by si
 `--loop=custom` trains with diststrat's own API instead (`call_for_each_tower` and a
 diststrat optimizer in a `tf.function` step). See docs/demo.md.
 
-Example:
+`--strategy=multi_worker` and `--strategy=parameter_server` (or `ps`) train in a cluster
+of processes: started by `diststrat-run` (which sets `TF_CONFIG`), this process is one
+worker of that job; run alone, the demo starts a `LocalCluster` itself.
+
+Examples:
   python examples/digits.py --towers=2 --epochs=10 --reduction=naive
+  diststrat-run --workers 2 --cpus-per-worker 2 examples/digits.py --strategy=multi_worker
+  diststrat-run --ps 1 --workers 2 examples/digits.py --strategy=parameter_server
 """
 
 import contextlib
@@ -54,8 +60,9 @@ def _in_cluster_strategy(config, devices):
 
 
 STRATEGIES = {"mirrored": _mirrored_strategy, "default": _default_strategy,
-              "ps": _in_cluster_strategy, "multi_worker": _in_cluster_strategy}
-CLUSTER_STRATEGIES = ("ps", "multi_worker")
+              "ps": _in_cluster_strategy, "parameter_server": _in_cluster_strategy,
+              "multi_worker": _in_cluster_strategy}
+CLUSTER_STRATEGIES = ("ps", "parameter_server", "multi_worker")
 MULTI_WORKER_PROCESSES = 2
 
 REDUCTIONS = {
@@ -202,7 +209,9 @@ def train(config, strategy=None):
     copies (of each weight) and copies_max_difference.
   """
   if config.strategy in CLUSTER_STRATEGIES and strategy is None:
-    return _train_on_local_cluster(config)
+    if cluster.cluster_from_environment() is None:
+      return _train_on_local_cluster(config)
+    strategy = _strategy_of_this_task(config)  # Under diststrat-run (TF_CONFIG) or Slurm.
   if config.loop not in LOOPS:
     raise ValueError(f"loop must be one of {LOOPS}. Received: loop={config.loop!r}")
   x_train, x_test, y_train, y_test = load_data(config.seed)
@@ -343,7 +352,7 @@ def _train_with_custom_loop(config, strategy, dataset, steps_per_epoch, label):
 
 
 def _train_on_local_cluster(config):
-  if config.strategy == "ps":
+  if config.strategy in ("ps", "parameter_server"):
     local = cluster.LocalCluster(num_ps=1, num_workers=1)
   else:
     if config.towers % MULTI_WORKER_PROCESSES:
@@ -356,6 +365,13 @@ def _train_on_local_cluster(config):
   with local:
     results = local.run_on_workers(_train_in_worker, config=dataclasses.asdict(config))
   return results[0]  # The chief's (every worker trains the same model).
+
+
+def _strategy_of_this_task(config):
+  """This process's strategy in the cluster its environment names (TF_CONFIG, Slurm)."""
+  if config.strategy == "multi_worker":
+    return ds.MultiWorkerMirroredStrategy()
+  return ds.ParameterServerStrategy()
 
 
 def _train_in_worker(strategy, config):
@@ -442,6 +458,15 @@ def main(argv):
                   batch_size=FLAGS.batch_size, reduction=FLAGS.reduction,
                   learning_rate=FLAGS.learning_rate, optimizer=FLAGS.optimizer,
                   seed=FLAGS.seed, loop=FLAGS.loop, progress=True)
+  environment = cluster.cluster_from_environment()
+  if environment is not None and config.strategy in CLUSTER_STRATEGIES:
+    config.progress = False  # Progress bars of several processes would mix.
+  if (environment is not None and config.strategy in CLUSTER_STRATEGIES
+      and environment.task_id != 0):  # Worker 0 reports and compares; the others are done.
+    result = train(config)
+    print(f"{result['label']}: worker {environment.task_id} done, held-out accuracy "
+          f"{result['accuracy']:.1%}")
+    return
   result = train(config)
   baseline = None
   if FLAGS.compare and config.strategy != "default":

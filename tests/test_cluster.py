@@ -808,7 +808,8 @@ def test_cluster_error_keeps_its_task_through_pickling():
 
 def test_cluster_module_is_public():
   assert "cluster" in ds.__all__ and ds.cluster.LocalCluster is LocalCluster
-  assert ds.cluster.__all__ == ["LocalCluster"]
+  assert ds.cluster.__all__ == ["LocalCluster", "serve", "ClusterConfig",
+                                "cluster_from_environment", "cluster_from_slurm"]
 
 
 # --- read caching: 1 worker process with 2 towers -------------------------------------

@@ -92,3 +92,25 @@ def test_unknown_loop_is_rejected():
   with pytest.raises(ValueError, match=r"loop must be one of \('fit', 'custom'\). Received: "
                                        r"loop='keras'"):
     demo.train(demo.Config(towers=1, epochs=1, loop="keras"))
+
+
+@pytest.mark.timeout(300)
+def test_multi_worker_demo_under_the_launcher():
+  """diststrat-run --workers 2 examples/digits.py --strategy=multi_worker: worker 0
+  reports and compares with one device; worker 1 prints its accuracy."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
+  env.pop("TF_CONFIG", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "diststrat.run", "--workers", "2", "examples/digits.py",
+       "--strategy=multi_worker", "--epochs=12", "--seed=1"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=270, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  accuracy = [line for line in lines if line.startswith("[worker:0]   held-out accuracy")]
+  assert accuracy, proc.stdout
+  ours, one_device = (float(a.rstrip("%")) / 100 for a in accuracy[0].split()[-2:])
+  assert ours >= 0.95 and one_device >= 0.95, accuracy
+  assert "[worker:0]   strategy   MultiWorkerMirroredStrategy on CPU:0 of each of 2 worker " \
+         "processes" in proc.stdout
+  assert any(line.startswith("[worker:1] multi_worker, 2 towers: worker 1 done")
+             for line in lines), proc.stdout

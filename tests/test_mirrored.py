@@ -516,3 +516,49 @@ def test_tower_function_gets_autograph_in_tf_function():
   with s.scope():
     assert [float(v) for v in step(tf.constant(3.0))] == [6.0, 6.0]
     assert [float(v) for v in step(tf.constant(-2.0))] == [2.0, 2.0]
+
+
+def _native_threads():
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_a_long_run_of_the_default_reduction_keeps_native_threads_flat():
+  """2,000 steps with MirroredStrategy's default reduction (collective on CPUs): a
+  timeout on its collectives would hold a native thread per run for that long (8 per
+  step here, 16,000 threads at the end on the commit before)."""
+  strategy = ds.MirroredStrategy(CPUS)
+  rng = np.random.default_rng(0)
+  x = tf.constant(rng.normal(size=(8, 4)).astype(np.float32))
+  y = tf.constant(rng.normal(size=(8, 1)).astype(np.float32))
+  with strategy.scope():
+    w, b = tf.Variable(tf.zeros([4, 1])), tf.Variable(tf.zeros([1]))
+    opt = ds.optimizers.GradientDescent(0.01)
+
+  @tf.function
+  def step():
+    strategy.call_for_each_tower(lambda: opt.minimize(
+        lambda: tf.reduce_mean(tf.square(x @ w + b - y)), var_list=[w, b]))
+
+  for _ in range(100):
+    step()
+  before = _native_threads()
+  for _ in range(1900):
+    step()
+  assert _native_threads() - before <= 50, (before, _native_threads())
+
+
+def test_an_error_in_one_member_ends_the_collective_without_a_timeout():
+  ops = ds.cross_tower_ops.AllReduceCrossTowerOps("collective")  # No timeout.
+
+  @tf.function
+  def reduce_with_a_failing_member(x):
+    with tf.device(CPUS[1]):
+      bad = tf.debugging.check_numerics(x / 0.0 * 0.0, "tower 1 made a nan")
+    with tf.device(CPUS[0]):
+      good = x * 2.0
+    return ops.batch_reduce("sum", [(ds.values.PerDevice({CPUS[0]: good, CPUS[1]: bad}),
+                                     None)])[0].values
+
+  with pytest.raises(tf.errors.InvalidArgumentError, match="tower 1 made a nan"):
+    reduce_with_a_failing_member(tf.constant(1.0))

@@ -362,6 +362,7 @@ def test_a_failed_worker_is_named_in_every_other_worker(tmp_path, fault):
     with open(sync_dir / f"report_{task}.json") as f:
       report = json.load(f)
     message, blamed, elapsed = report["error"]
+    print(f"{fault}: worker {task} raised after {elapsed:.1f} s: {message[:120]}")
     assert blamed == "/job:worker/replica:0/task:1", (fault, message)
     assert "restart every worker process" in message, message
     assert elapsed < 5.0 + 4.0, (fault, elapsed)
@@ -444,3 +445,53 @@ def test_multi_worker_argument_errors():
   with pytest.raises(ValueError, match="strategy must be 'parameter_server' .* or "
                                        "'multi_worker'"):
     LocalCluster(num_ps=0).run_on_workers(_ragged_fn, strategy="parameter_server")
+
+
+def _proc_status(field):
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1])
+  raise KeyError(field)
+
+
+def _long_run_fn(strategy, steps):
+  """Trains a tiny model for `steps` steps at the defaults; native threads and memory."""
+  rng = np.random.default_rng(7)
+  x = rng.normal(size=(8, 4)).astype(np.float32)
+  y = x @ rng.normal(size=(4, 1)).astype(np.float32)
+  with strategy.scope():
+    w = tf.Variable(np.zeros([4, 1], np.float32), name="w")
+    opt = ds.optimizers.GradientDescent(0.01)
+
+  @tf.function
+  def step():
+    strategy.call_for_each_tower(lambda: opt.minimize(
+        lambda: tf.reduce_mean(tf.square(x @ w - y)), var_list=[w]))
+
+  samples = {}
+  start = time.monotonic()
+  for i in range(steps):
+    step()
+    if i + 1 in (100, steps // 2, steps):  # After the warm-up, half-way, at the end.
+      samples[i + 1] = (_proc_status("Threads"), _proc_status("VmRSS") // 1024)
+  return {"samples": samples, "seconds": time.monotonic() - start,
+          "w": w.numpy().tolist()}
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_a_long_run_keeps_threads_flat_at_the_defaults():
+  """5,000 steps on 2 workers: TensorFlow's per-collective timeout threads would add
+  about one native thread per step (docs/design/tensorflow_facts.md)."""
+  steps = 5000
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=1,
+                    result_timeout=3 * TIMEOUT) as cluster:
+    results = cluster.run_on_workers(_long_run_fn, strategy="multi_worker", steps=steps)
+  for task, result in enumerate(results):
+    samples = {int(k): v for k, v in result["samples"].items()}
+    threads = [samples[k][0] for k in sorted(samples)]
+    rss = [samples[k][1] for k in sorted(samples)]
+    print(f"worker {task}: threads {threads}, RSS MiB {rss}, {result['seconds']:.1f} s")
+    assert threads[-1] - threads[0] <= 100, (task, samples)
+    assert rss[-1] - rss[0] <= 100, (task, samples)  # MiB from step 100 to the end.
+  assert results[0]["w"] == results[1]["w"]

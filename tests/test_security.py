@@ -91,4 +91,4 @@ def test_starting_a_server_warns_once_per_process(monkeypatch, caplog):
   monkeypatch.setenv(_exposure.ISOLATED_ENV, "1")
   with caplog.at_level(logging.WARNING, logger="diststrat"):
     _exposure.server_started("/job:ps/replica:0/task:0", "127.0.0.1:2222")
-  assert "reachable only from this LocalCluster's own processes" in caplog.records[0].getMessage()
+  assert "reachable only from the job's own processes" in caplog.records[0].getMessage()

@@ -4,6 +4,7 @@ After a TensorFlow or Keras upgrade, the test named after the wrapper that broke
 here, with a message naming it, instead of deep inside a user's training step.
 """
 
+import os
 import threading
 
 import keras
@@ -253,6 +254,81 @@ def test_keras_optimizer_strategy():
   assert getattr(captured, "diststrat_strategy", None) is strategy, _broke(
       "keras_optimizer_strategy", f"Keras {keras.__version__} optimizers captured {captured!r}")
   assert _tf_internal.keras_optimizer_strategy(outside) is tf.distribute.get_strategy()
+
+
+def test_keras_output_loss_trackers():
+  inputs = keras.Input((3,))
+  model = keras.Model(inputs, {"a": keras.layers.Dense(1)(inputs),
+                               "b": keras.layers.Dense(2)(inputs)})
+  assert _tf_internal.keras_output_loss_trackers(model) == []  # Not compiled.
+  model.compile(optimizer="sgd", loss={"a": "mse", "b": "mae"})
+  model.fit(np.zeros((4, 3), np.float32),
+            {"a": np.zeros((4, 1), np.float32), "b": np.zeros((4, 2), np.float32)},
+            verbose=0)
+  trackers = _tf_internal.keras_output_loss_trackers(model)
+  names = sorted(t.name for t in trackers)
+  assert names == ["a_loss", "b_loss"], _broke(
+      "keras_output_loss_trackers", f"Keras {keras.__version__} per-output trackers: {names}")
+  assert all(isinstance(t, keras.metrics.Mean) for t in trackers)
+
+
+def test_keras_fit_callbacks():
+  assert _tf_internal.keras_fit_callbacks() is None  # Outside fit.
+  # The bridge asks while fit distributes its dataset: check from there.
+  found = []
+
+  class _Strategyless(keras.callbacks.Callback):
+    pass
+
+  def distribute_hook(dataset):
+    found.append(_tf_internal.keras_fit_callbacks())
+    return dataset
+
+  strategy = ds.MirroredStrategy(CPUS[:1])
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+  adapter = model.distribute_strategy
+  original = adapter.experimental_distribute_dataset
+  adapter.experimental_distribute_dataset = lambda dataset, options=None: original(
+      distribute_hook(dataset), options)
+  try:
+    fit_callbacks = [_Strategyless()]
+    model.fit(np.zeros((4, 3), np.float32), np.zeros((4, 1), np.float32), verbose=0,
+              callbacks=fit_callbacks)
+  finally:
+    del adapter.experimental_distribute_dataset
+  assert found and found[0] is fit_callbacks, _broke(
+      "keras_fit_callbacks", f"Keras {keras.__version__} fit's callbacks not found: {found}")
+
+
+def test_set_keras_backup_dir(tmp_path):
+  callback = keras.callbacks.BackupAndRestore(str(tmp_path / "user"))
+  before = {k: v for k, v in vars(callback).items() if isinstance(v, str)}
+  state = _tf_internal.set_keras_backup_dir(callback, str(tmp_path / "scratch"))
+  moved = {k: v for k, v in vars(callback).items() if isinstance(v, str)}
+  assert any(k != "backup_dir" for k in state)
+  for key, value in moved.items():
+    if str(tmp_path / "user") in before[key]:
+      assert value.startswith(str(tmp_path / "scratch")), _broke(
+          "set_keras_backup_dir", f"Keras {keras.__version__} keeps {key}={value}")
+  # The callback writes where it was pointed.
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+  model.compile(optimizer="sgd", loss="mse")
+  callback.delete_checkpoint = False
+  model.fit(np.zeros((4, 3), np.float32), np.zeros((4, 1), np.float32), verbose=0,
+            callbacks=[callback])
+  assert os.listdir(tmp_path / "scratch") and not os.path.exists(tmp_path / "user")
+  _tf_internal.restore_keras_backup_dir(callback, state)
+  assert {k: v for k, v in vars(callback).items() if isinstance(v, str)} == before
+
+
+def test_restore_keras_backup_dir(tmp_path):
+  callback = keras.callbacks.BackupAndRestore(str(tmp_path / "a"))
+  before = dict(vars(callback))
+  _tf_internal.restore_keras_backup_dir(
+      callback, _tf_internal.set_keras_backup_dir(callback, str(tmp_path / "b")))
+  assert dict(vars(callback)) == before, _broke("restore_keras_backup_dir", "not restored")
 
 
 # --- protocols TensorFlow calls on diststrat's objects ---------------------------------------
@@ -893,3 +969,78 @@ def test_protocols_and_protocol_names():
   assert _tf_internal.PROTOCOL_NAMES == {n for names in _tf_internal.PROTOCOLS.values()
                                          for n in names}
 
+
+
+_ABORT_A_BLOCKED_COLLECTIVE = """
+import socket, threading, time
+import tensorflow as tf
+from diststrat import _tf_internal
+ports = []
+for _ in range(2):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); ports.append(s.getsockname()[1])
+# Two members, one process: the second never joins, so the first waits with no timeout.
+spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
+_tf_internal.enable_cross_process_collectives(spec, "worker", 0,
+                                              leader="/job:worker/replica:0/task:0")
+@tf.function
+def alone():
+  with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+    return _tf_internal.all_reduce_v1(tf.constant([2.0]), 2, 9, 9, "Add", "Id", timeout=0)
+print("RUNS_COLLECTIVES", _tf_internal.function_runs_collectives(
+    alone.get_concrete_function().function_def.signature.name))
+threading.Timer(1.0, _tf_internal.abort_collectives, ("stop waiting",)).start()
+start = time.monotonic()
+try:
+  alone()
+except tf.errors.UnavailableError as e:
+  print("ABORTED", "stop waiting" in str(e), round(time.monotonic() - start, 1))
+"""
+
+
+def test_abort_collectives_and_function_runs_collectives():
+  out = _run_python(_ABORT_A_BLOCKED_COLLECTIVE, timeout=60)
+  assert "ABORTED True" in out, _broke("abort_collectives", out)
+  assert "RUNS_COLLECTIVES True" in out, _broke("function_runs_collectives", out)
+
+
+def test_function_runs_collectives():
+  @tf.function
+  def plain(x):
+    return tf.while_loop(lambda i: i < x, lambda i: i + 1.0, [0.0])
+
+  name = plain.get_concrete_function(tf.constant(1.0)).function_def.signature.name
+  assert _tf_internal.function_runs_collectives(name) is False, _broke(
+      "function_runs_collectives", "a function without collectives counted as one")
+  assert _tf_internal.function_runs_collectives("Identity") is False
+
+
+def test_set_call_tracker():
+  calls = []
+
+  class Tracker:
+    def started(self, name=None):
+      calls.append(("started", name))
+      return len(calls)
+
+    def finished(self, token):
+      calls.append(("finished", token))
+
+  @tf.function
+  def traced(x):
+    return x + 1.0
+
+  traced(tf.constant(1.0))  # Traced before tracking.
+  _tf_internal.install_error_translator(lambda error: error)
+  _tf_internal.set_call_tracker(Tracker())
+  try:
+    traced(tf.constant(1.0))
+  finally:
+    _tf_internal.set_call_tracker(None)
+    _tf_internal.uninstall_error_translator()
+  started = [c for c in calls if c[0] == "started"]
+  assert started and all("traced" in str(name) for _, name in started), _broke(
+      "set_call_tracker", f"the function call was not reported: {calls}")
+  assert ("finished", 1) in calls, _broke("set_call_tracker", f"no end reported: {calls}")
+  traced(tf.constant(2.0))
+  assert len(calls) == 2 * len(started), "tracking went on after set_call_tracker(None)"

@@ -12,6 +12,8 @@ other worker, which fails while one is down or restarting. Its own address comes
 the spec (a fixed port): reconnecting after a PS restart needs it to be the same.
 """
 
+import time
+
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
@@ -116,6 +118,24 @@ def normalize_cluster_spec(cluster_spec, task_type, task_id, with_ps=True):
     raise ValueError(f"task_id must be an index into cluster_spec[{task_type!r}], from 0 "
                      f"to {len(spec[task_type]) - 1}. Received: task_id={task_id!r}")
   return spec
+
+
+def wait_for_servers(addresses, timeout, poll=0.5):
+  """Waits until the TensorFlow server at each of `addresses` answers, at most `timeout` s.
+
+  For tasks started independently (`diststrat-run`, Slurm, Kubernetes, several
+  machines), where this process may come up before the others: a server that refuses
+  connections is asked again. Returns when all answer or the time is up (then the
+  first use of the cluster names the task that does not).
+  """
+  addresses = list(addresses)
+  deadline = time.monotonic() + timeout
+  while addresses:
+    outcomes = _tf_internal.probe_tf_server(addresses, min(poll * 4, timeout))
+    addresses = [a for a, why in zip(addresses, outcomes) if why]
+    if not addresses or time.monotonic() + poll > deadline:
+      return
+    time.sleep(poll)
 
 
 class ClusterTaskMixin:

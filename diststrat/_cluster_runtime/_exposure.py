@@ -15,7 +15,8 @@ import threading
 logger = logging.getLogger("diststrat")
 
 ISOLATED_ENV = "DISTSTRAT_PRIVATE_NETWORK"
-"""Set to "1" in the processes of a `LocalCluster` that run in its private network."""
+"""Set to "1" in the processes of a `LocalCluster` or `diststrat-run` job that run in its
+private network."""
 
 _warned = []
 _lock = threading.Lock()
@@ -31,8 +32,9 @@ def server_started(task, address):
   if os.environ.get(ISOLATED_ENV) == "1":
     logger.warning(
         "diststrat started TensorFlow's gRPC server of %s on port %s. It runs any graph "
-        "any client sends, without authentication; here it is reachable only from this "
-        "LocalCluster's own processes (they share a private network namespace). See "
+        "any client sends, without authentication; here it is reachable only from the "
+        "job's own processes (a LocalCluster's or a diststrat-run job's: they share a "
+        "private network namespace). See "
         "docs/security.md.", task, port)
     return
   logger.warning(

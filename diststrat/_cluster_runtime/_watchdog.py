@@ -160,16 +160,20 @@ class StepGuard:
       or froze; a task restarted).
     blame_silent_peers: when a call times out (`DeadlineExceededError`) although every
       task answers, name them all as not having joined (collectives across workers).
+    known_fault: `known_fault(error)` returns (task or None, status) when the fault
+      behind `error` is already known (a watchdog aborted the call), else None; status
+      as a probe's: "cannot be reached ...", "restarted", "does not answer", "answers".
   """
 
   def __init__(self, tasks, probe, timeout, name, role="Parameter server task",
                advice=_PS_ADVICE, restarted_advice=_PS_RESTARTED_ADVICE,
-               blame_silent_peers=False):
+               blame_silent_peers=False, known_fault=None):
     self.tasks = tuple(tasks)
     self._probe = probe
     self._advice = advice
     self._restarted_advice = restarted_advice
     self._blame_silent_peers = blame_silent_peers
+    self._known_fault = known_fault
     self.timeout = timeout
     self._name = name
     self._role = role
@@ -287,10 +291,12 @@ class StepGuard:
     """
     if not isinstance(error, tf.errors.OpError) or not _faults.is_cluster_fault(error):
       return error
-    task, status = self._blame(error, probe)
+    known = self._known_fault(error) if self._known_fault is not None else None
+    task, status = known if known is not None else self._blame(error, probe)
     summary = _faults.error_summary(error)
-    if task is None and status is None and self._blame_silent_peers and isinstance(
-        error, tf.errors.DeadlineExceededError):
+    if status == "answers" or (
+        task is None and status is None and self._blame_silent_peers and isinstance(
+            error, tf.errors.DeadlineExceededError)):
       # Every peer answers, yet the collective timed out: they did not join it.
       if record and self._failure is None:
         self._failure = error
@@ -309,6 +315,9 @@ class StepGuard:
                                  _faults.error_means_task_restarted(error)):
       message = (f"{who} restarted since {self._name} connected to it, so the state it "
                  f"held is gone ({what} failed: {summary}). {self._restarted_advice}")
+    elif status == "does not answer":
+      message = (f"{who} does not answer: it is frozen or cut off ({what} failed: "
+                 f"{summary}). {self._advice}")
     else:
       message = (f"{who} cannot be reached: it died or its network is down ({what} "
                  f"failed: {summary}). {self._advice}")

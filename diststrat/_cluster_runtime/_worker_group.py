@@ -5,20 +5,22 @@ run the same program (`MultiWorkerMirroredStrategy`). TensorFlow's gRPC runtime 
 collective ops between them: this process starts its own server on its address in the
 cluster spec, and task 0 of the first job leads the collective groups.
 
-Faults: a collective waits for its peers at most the collective timeout. When one fails
-(a peer died, froze, or stopped calling the collective), the error becomes `ClusterError`
-naming the task at fault, found by asking every peer whether it is alive
-(`check_peer_health`, bounded): a dead peer refuses, a frozen one does not answer in
-time, a restarted one is a different task. If every peer answers, the peers that answer
-but did not join are named. TensorFlow aborts every later collective of a process once
-one failed, so the message says to restart the worker processes and restore the last
-checkpoint.
+Faults: the collectives have no timeout of their own (TensorFlow would hold a thread
+per run for as long as the timeout); this process's `CollectiveWatchdog` ends a call
+that waits on a failed peer: at once when a peer is dead or restarted, after the
+collective timeout when a peer is frozen or alive but not joining. The error becomes
+`ClusterError` naming the task at fault, from the watchdog's verdict, or else found by
+asking every peer whether it is alive (`check_peer_health`, bounded): a dead peer
+refuses, a frozen one does not answer in time, a restarted one is a different task.
+TensorFlow aborts every later collective of a process once one failed, so the message
+says to restart the worker processes and restore the last checkpoint.
 """
 
 from diststrat._tf import tf
 from diststrat import _devices
 from diststrat import _tf_internal
 from diststrat import errors
+from diststrat._cluster_runtime import _collective_watchdog
 from diststrat._cluster_runtime import _exposure
 from diststrat._cluster_runtime import _watchdog
 
@@ -35,12 +37,13 @@ class WorkerGroup:
     cluster_spec: {job: [address, ...]} of worker tasks (already checked).
     task_type, task_id: this process's task.
     name: the owner's description, for messages.
+    collective_timeout: seconds a call that runs collectives may wait on its peers.
 
   Raises:
     RuntimeError: TensorFlow was already initialized in this process.
   """
 
-  def __init__(self, cluster_spec, task_type, task_id, name):
+  def __init__(self, cluster_spec, task_type, task_id, name, collective_timeout=60.0):
     self.spec = cluster_spec
     self.task_type = task_type
     self.task_id = task_id
@@ -65,10 +68,21 @@ class WorkerGroup:
           f"at the top of the program. TensorFlow said: {e}") from e
     _exposure.server_started(self.local_task, cluster_spec[task_type][task_id])
     peers = [t for t in self.tasks if t != self.local_task]
+    self.watchdog = _collective_watchdog.CollectiveWatchdog(
+        peers, collective_timeout, _tf_internal.check_peer_health, name)
     self.guard = _watchdog.StepGuard(peers, _probe_peer, None, name, role="Worker task",
                                      advice=_ADVICE, restarted_advice=_ADVICE,
-                                     blame_silent_peers=True)
+                                     blame_silent_peers=True,
+                                     known_fault=self._known_fault)
     _tf_internal.install_error_translator(_watchdog.translate_error)
+    _tf_internal.set_call_tracker(self.watchdog)
+    self.watchdog.start()
+
+  def _known_fault(self, error):
+    verdict = self.watchdog.verdict
+    if verdict is None or _collective_watchdog.ABORT_MARK not in str(error):
+      return None
+    return verdict.task, verdict.status
 
   @property
   def num_workers(self):

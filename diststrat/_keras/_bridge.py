@@ -28,6 +28,8 @@ What Keras then does by itself, unchanged:
 (`_context.add_mode_listener`); `import diststrat` calls it. See docs/keras.md.
 """
 
+import contextlib
+import threading
 import weakref
 
 from diststrat._tf import tf
@@ -35,6 +37,7 @@ from diststrat import _context
 from diststrat import _input
 from diststrat import _tf_internal
 from diststrat import errors
+from diststrat._keras import _file_callbacks
 from diststrat._arguments import as_tf_variable
 from diststrat.values import _variables
 from diststrat.values import _wrapped
@@ -57,10 +60,46 @@ def tf_mode(strategy, tower_context):
   if _context.is_default_strategy(strategy):
     return None  # TensorFlow's own default strategy stands for ours.
   adapter = adapter_for(strategy)
+  current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+  if current is not None and not isinstance(current, StrategyAdapter) and \
+      not getattr(_entering, "by_adapter", False):
+    raise errors.ContextError(
+        f"Cannot enter the scope of diststrat's {strategy!r} inside the scope of the "
+        f"tf.distribute strategy {current!r}: the two libraries' strategies do not mix "
+        "(Keras and TensorFlow would see two current strategies). Leave the "
+        "tf.distribute scope first, or use only one library's strategies.")
   if tower_context is None:
-    return _tf_internal.tf_distribution_mode(adapter)
-  return _tf_internal.tf_distribution_mode(adapter,
-                                           ReplicaContextAdapter(adapter, tower_context))
+    mode = _tf_internal.tf_distribution_mode(adapter)
+  else:
+    mode = _tf_internal.tf_distribution_mode(adapter,
+                                             ReplicaContextAdapter(adapter, tower_context))
+  return _explain_mixing(mode, strategy)
+
+
+_entering = threading.local()  # by_adapter: a StrategyAdapter enters its strategy's scope.
+
+
+_MIXING = "Mixing different tf.distribute.Strategy objects"  # TensorFlow's error text.
+_MIXING_NOTE = "diststrat: a tf.distribute strategy was used inside the scope of "
+
+
+@contextlib.contextmanager
+def _explain_mixing(mode, strategy):
+  """`mode`; TensorFlow's "Mixing different tf.distribute.Strategy objects" error raised
+  inside it gets a note saying what happened and the fix (TensorFlow raises it from its
+  own scope, where diststrat cannot check first)."""
+  with mode:
+    try:
+      yield
+    except RuntimeError as e:
+      if _MIXING in str(e) and not any(
+          _MIXING_NOTE in note for note in getattr(e, "__notes__", ())):
+        errors.add_note(e, (
+            f"{_MIXING_NOTE}diststrat's {strategy!r}, where tf.distribute.get_strategy() "
+            "is diststrat's adapter: the two libraries' strategies do not mix. Enter the "
+            "tf.distribute strategy's scope outside any diststrat scope (and build its "
+            "models there), or use only diststrat's strategies. See docs/keras.md."))
+      raise
 
 
 
@@ -154,6 +193,108 @@ class _MergeFn:
     return hash(getattr(self.merge_fn, "__code__", None))
 
 
+# --- a Keras optimizer's apply, once per step with the summed gradients ---------------
+
+_routed_optimizers = weakref.WeakKeyDictionary()  # Keras optimizer -> its StrategyAdapter
+
+
+def route_optimizer(optimizer, adapter):
+  """Makes `optimizer.apply` (and so `apply_gradients`) run once per step, in cross-tower
+  context, with the gradients summed over the towers.
+
+  Keras's optimizer applies its update in the tower that calls it: it clips the
+  gradient there (before any sum), and gradient accumulation, `LossScaleOptimizer` and
+  EMA put `merge_call`s or `strategy.update` inside `tf.cond` branches, which towers
+  tracing a graph cannot merge from. So the call from a tower is taken at its top: one
+  `merge_call` hands the towers' gradients over, they are summed, and Keras's own
+  `apply` runs once in cross-tower context on the sum (`StrategyAdapter.apply_summed`),
+  as on one device: every write to a mirrored variable there goes to all its copies.
+  Called from anywhere but a tower of the adapter's strategy, `apply` is Keras's own.
+
+  The instance's `apply` attribute is set (once per optimizer); Keras's classes are not
+  changed. Only optimizers created in the adapter's scope are routed.
+  """
+  if optimizer is None or _routed_optimizers.get(optimizer) is adapter:
+    return
+  if _tf_internal.keras_optimizer_strategy(optimizer) is not adapter or not callable(
+      getattr(type(optimizer), "apply", None)):
+    return
+  optimizer_ref = weakref.ref(optimizer)
+
+  def apply(grads, trainable_variables=None):
+    return adapter.apply_from_tower(optimizer_ref(), grads, trainable_variables)
+
+  # Plain instance attribute: Keras's own __setattr__ would try to track it.
+  object.__setattr__(optimizer, "apply", apply)
+  _routed_optimizers[optimizer] = adapter
+
+
+_routed_trackers = weakref.WeakKeyDictionary()  # Keras loss tracker -> its StrategyAdapter
+
+
+def route_loss_tracker(tracker, adapter):
+  """Weighs a per-output loss tracker's tower updates by the tower's share of the batch.
+
+  Keras updates the "<output>_loss" `Mean` of a multi-output model with the loss
+  computed on the tower's part and `sample_weight` the part's static batch size, which
+  is unknown (None) in a traced step: each tower would then count as one whole step,
+  and the towers' means would be averaged unweighted (wrong on a ragged batch, and N
+  updates per step where one device makes one). In a tower given part of a batch, a
+  missing `sample_weight` becomes the tower's share n_i / B: the towers' updates add up
+  to one update of the batch's mean, as on one device. A static size (eager steps) is
+  the tower's n_i, already right.
+  """
+  if _routed_trackers.get(tracker) is adapter:
+    return
+  tracker_ref = weakref.ref(tracker)
+
+  def update_state(values, sample_weight=None):
+    tracker = tracker_ref()
+    tower = _context.get_tower_context()
+    if sample_weight is None and tower is not None and \
+        tower.distribution_strategy is adapter.diststrat_strategy and \
+        tower.batch_share is not None:
+      sample_weight = tf.cast(tower.batch_share, tf.float32)
+      # A tower without an example holds no loss (0 / 0): it weighs 0 and adds 0.
+      values = tf.where(sample_weight > 0, values, tf.zeros_like(values))
+    return type(tracker).update_state(tracker, values, sample_weight=sample_weight)
+
+  object.__setattr__(tracker, "update_state", update_state)
+  _routed_trackers[tracker] = adapter
+
+
+class SummedGradientsContext:
+  """What `tf.distribute.get_replica_context()` returns while a Keras optimizer applies the
+  gradients summed over the towers, once, in cross-tower context.
+
+  To that code it is the one replica: the gradients are already the global ones, so
+  `all_reduce` returns its value, and `merge_call` calls its function at once (the
+  context is already cross-tower). Keras's `LossScaleOptimizer` asks for a replica
+  context before it applies; this is it.
+  """
+
+  num_replicas_in_sync = 1
+  replica_id_in_sync_group = 0
+
+  def __init__(self, adapter):
+    self._adapter = adapter
+
+  @property
+  def strategy(self):
+    return self._adapter
+
+  @property
+  def devices(self):
+    return tuple(self._adapter.diststrat_strategy.worker_devices[:1])
+
+  def merge_call(self, merge_fn, args=(), kwargs=None):
+    return merge_fn(self._adapter, *args, **(kwargs or {}))
+
+  def all_reduce(self, reduce_op, value, options=None):
+    del reduce_op, options  # One replica: the sum and the mean are the value.
+    return value
+
+
 class ReplicaContextAdapter:
   """What `tf.distribute.get_replica_context()` returns inside a diststrat tower."""
 
@@ -218,7 +359,11 @@ class ExtendedAdapter:
     self._ds = strategy
 
   def _use_merge_call(self):
-    return True  # Keras's optimizer applies gradients through merge_call.
+    # In a tower, Keras's optimizer applies gradients through merge_call. In cross-tower
+    # context (an optimizer's apply run once with the summed gradients, see
+    # `route_optimizer`) there is nothing to merge: tf.distribute's `maybe_merge_call`
+    # then calls its function directly.
+    return _context.get_tower_context() is not None
 
   @property
   def _retrace_functions_for_each_device(self):
@@ -263,7 +408,24 @@ class ExtendedAdapter:
     kwargs = dict(kwargs or {})
     kwargs = _wrapped.pack_as(kwargs, [local(x) for x in _wrapped.flatten(kwargs)])
     result = self._ds.update(var, fn, *args, **kwargs)
-    return self._ds.group(result) if group else result
+    return self._grouped(result) if group else result
+
+  def _grouped(self, result):
+    """`update(..., group=True)`'s result: one value per leaf, after every copy's update.
+
+    tf.distribute returns values there, and code uses them (`tf.random.Generator.skip`
+    in cross-replica context slices the state it read): a leaf whose copies are tensors
+    gives its first copy, made to wait for every copy's update; anything else (ops,
+    variables) gives one op that runs them all.
+    """
+    leaves = _wrapped.flatten(result)
+    parts = [self._ds.unwrap(leaf) for leaf in leaves]
+    if not leaves or not all(isinstance(c, tf.Tensor) for p in parts for c in p):
+      return self._ds.group(result)
+    if tf.executing_eagerly():
+      return _wrapped.pack_as(result, [p[0] for p in parts])
+    with tf.control_dependencies([c for p in parts for c in p]):
+      return _wrapped.pack_as(result, [tf.identity(p[0]) for p in parts])
 
   def call_for_each_replica(self, fn, args=(), kwargs=None):
     return self._ds.call_for_each_tower(fn, *args, **(kwargs or {}))
@@ -321,7 +483,67 @@ class StrategyAdapter:
     return self._ds.num_towers
 
   def scope(self):
-    return self._ds.scope()
+    self._check_no_other_strategy("A Keras model (or optimizer, or other tf.distribute-"
+                                  "aware code)")
+    return self._adapter_scope()
+
+  @contextlib.contextmanager
+  def _adapter_scope(self):
+    """The strategy's scope, entered for code that asked the adapter for it.
+
+    That code (a Keras model made under this strategy) runs under this strategy even
+    inside a tf.distribute strategy's scope: the entry for diststrat goes on top of
+    TensorFlow's stack. A user's own `with strategy.scope():` there is refused.
+    """
+    saved = getattr(_entering, "by_adapter", False)
+    _entering.by_adapter = True
+    try:
+      scope = self._ds.scope()
+      scope.__enter__()
+    finally:
+      _entering.by_adapter = saved
+    try:
+      yield self
+    except BaseException as e:
+      if not scope.__exit__(type(e), e, e.__traceback__):
+        raise
+    else:
+      scope.__exit__(None, None, None)
+
+  def _check_no_other_strategy(self, what):
+    """Raises when another diststrat strategy's context is current.
+
+    A Keras model fit inside the scope of a strategy other than its own would otherwise
+    fail entering its own strategy's scope, with a message naming a scope the user
+    never entered.
+    """
+    mode = _context.current_mode()
+    if not _context.has_distribution_strategy() or mode.strategy is self._ds:
+      return
+    raise errors.ContextError(
+        f"{what} created in the scope of {self._ds!r} was used inside "
+        f"{_context.describe_current_context()}: it runs under the strategy it was "
+        "created under, and strategies do not mix. Call fit/evaluate/predict outside any "
+        f"strategy's scope (the model keeps its strategy), or inside the scope of "
+        f"{self._ds!r}; to train under {mode.strategy!r}, build and compile the model "
+        "inside that strategy's scope (move the weights with get_weights()/set_weights() "
+        "or a checkpoint).")
+
+  def _check_jit_compile(self, model):
+    """Refuses `jit_compile=True` where XLA cannot compile the step (several devices)."""
+    if model is None or not getattr(model, "jit_compile", False):
+      return
+    devices = set(self._ds.worker_devices) | set(self._ds.parameter_devices)
+    if len(devices) <= 1 and self._ds.num_towers <= 1:
+      return  # One device: XLA compiles the step as it would without a strategy.
+    raise ValueError(
+        f"The Keras model {model.name!r} was compiled with jit_compile=True, but under "
+        f"{self._ds!r} its step runs on {max(len(devices), self._ds.num_towers)} devices "
+        f"({self._ds.num_towers} towers, each with its own copy or read of the variables, "
+        "reduced with the others'), and XLA compiles a step for one device: it cannot "
+        "reach the other devices' variables and reductions. Compile it "
+        "with jit_compile=False under this strategy (the default, jit_compile='auto', "
+        "chooses False under a strategy), or train on one device with XLA.")
 
   # --- input ---
 
@@ -331,6 +553,9 @@ class StrategyAdapter:
     The prefetch makes the next batch while a step runs, as `distribute_dataset` does.
     """
     del options
+    # Keras's fit asks for its dataset before it builds its callback list: the last
+    # moment a worker's file-writing callbacks can be pointed at its scratch directory.
+    _file_callbacks.redirect_fit_callbacks(self._ds)
     return dataset.prefetch(tf.data.AUTOTUNE)
 
   def distribute_datasets_from_function(self, dataset_fn, options=None):
@@ -369,7 +594,17 @@ class StrategyAdapter:
         this strategy's scope.
     """
     del options
-    self._check_model(getattr(fn, "__self__", None))
+    model = getattr(fn, "__self__", None)
+    if hasattr(model, "get_metrics_result"):  # A Keras model's step.
+      self._check_no_other_strategy(f"The Keras model {model.name!r}")  # As in scope().
+      self._check_jit_compile(model)
+    else:
+      self._check_no_other_strategy("A function run by tf.distribute-aware code")
+    self._check_model(model)
+    route_optimizer(getattr(model, "optimizer", None), self)
+    if _is_train_or_test_step(fn):
+      for tracker in _tf_internal.keras_output_loss_trackers(model):
+        route_loss_tracker(tracker, self)
     devices = self._ds.worker_devices
     first_tower, num_towers = self._ds._batch_split()  # pylint: disable=protected-access
 
@@ -381,11 +616,35 @@ class StrategyAdapter:
 
     structure = (tuple(args), dict(kwargs or {}))
     args, kwargs = _wrapped.pack_as(structure, [split(x) for x in _wrapped.flatten(structure)])
-    with self._ds.scope():
+    with self._adapter_scope():
       # Keras runs its steps without AutoGraph (as on one device): towers do the same.
       step = tf.autograph.experimental.do_not_convert(fn)
       outputs = self._ds.call_for_each_tower(step, *args, **kwargs)
       return self._combine(fn, outputs)
+
+  def apply_from_tower(self, optimizer, grads, trainable_variables=None):
+    """A routed Keras optimizer's `apply` (see `route_optimizer`)."""
+    tower = _context.get_tower_context()
+    if tower is None or tower is _context.default_tower_context() or \
+        tower.distribution_strategy is not self._ds:
+      return type(optimizer).apply(optimizer, grads, trainable_variables)
+    grads = list(grads)
+    variables = None if trainable_variables is None else list(trainable_variables)
+    tower.merge_call(self.apply_summed, optimizer, grads, variables)
+    return None
+
+  def apply_summed(self, strategy, optimizer, grads, variables):
+    """merge_fn: sums the towers' gradients, then runs Keras's `apply` once on the sum."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    reduced = strategy.batch_reduce("sum", [(grads[i], None) for i in present]) \
+        if present else []
+    first_device = strategy.worker_devices[0]
+    summed = [None] * len(grads)
+    for i, value in zip(present, reduced):
+      summed[i] = value.get(first_device) if isinstance(
+          value, _wrapped.DistributedValues) else value
+    with _tf_internal.tf_distribution_mode(self, SummedGradientsContext(self)):
+      type(optimizer).apply(optimizer, summed, variables)
 
   def _check_model(self, model):
     """Refuses (never a silent run on one device) a Keras model not made in this scope."""
@@ -425,10 +684,20 @@ class StrategyAdapter:
                                       for v in _wrapped.flatten(outputs)])
 
   def _mean(self, value):
+    """A custom step's output that is not a metric: its mean over every tower.
+
+    With several worker processes (MultiWorkerMirroredStrategy) the mean is over the
+    towers of every worker (a collective: every worker runs the same steps), so every
+    worker logs the same value, as for metrics.
+    """
     if not isinstance(value, _wrapped.DistributedValues):
       return value
+    parts = list(value.values)
+    if self._ds._num_processes() > 1 and all(  # pylint: disable=protected-access
+        isinstance(p, tf.Tensor) and p.dtype.is_floating for p in parts):
+      return self._ds.reduce("mean", value).get(self._ds.worker_devices[0])
     with tf.device(self._ds.worker_devices[0]):
-      return tf.add_n(list(value.values)) / len(value.values)
+      return tf.add_n(parts) / len(parts)
 
   # --- cross-replica reductions Keras may call ---
 

@@ -90,8 +90,14 @@ _TRANSLATOR_MARK = "_diststrat_translator"
 _EXECUTE_NAMES = ("quick_execute", "execute", "execute_with_cancellation")
 
 
+_call_tracker = None  # See set_call_tracker.
+
+
 def _wrap_raising(function, translate):
   def wrapper(*args, **kwargs):
+    tracker = _call_tracker
+    token = (tracker.started(args[0] if args else kwargs.get("op_name"))
+             if tracker is not None else None)
     try:
       return function(*args, **kwargs)
     except tf.errors.OpError as e:
@@ -99,6 +105,9 @@ def _wrap_raising(function, translate):
       if translated is e:
         raise
       raise translated from e
+    finally:
+      if tracker is not None:
+        tracker.finished(token)
   setattr(wrapper, _TRANSLATOR_MARK, function)
   return wrapper
 
@@ -136,6 +145,19 @@ def install_error_translator(translate):
 
   setattr(status_to_exception, _TRANSLATOR_MARK, original)
   _eager_core._status_to_exception = status_to_exception  # pylint: disable=protected-access
+
+
+def set_call_tracker(tracker):
+  """Tells `tracker` when each `tf.function` call (and slow-path eager op) starts and ends.
+
+  `tracker.started(name)` (the function's or op's name, as TensorFlow runs it) returns a
+  token, `tracker.finished(token)` is called when that call
+  returns or raises, in the calling thread: a watchdog learns that a call is blocked in
+  TensorFlow without a timeout on every op. Works while an error translator is
+  installed (`install_error_translator`: the same hook); None stops tracking.
+  """
+  global _call_tracker
+  _call_tracker = tracker
 
 
 def uninstall_error_translator():

@@ -11,6 +11,8 @@ from tensorflow.core.protobuf import tensorflow_server_pb2 as _server_pb2  # pyl
 from tensorflow.python.eager import context as _eager_context  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import collective_ops as _collective_ops  # pylint: disable=g-direct-tensorflow-import
 
+from diststrat._tf import tf
+
 
 def all_reduce_v1(value, group_size, group_key, instance_key, merge_op, final_op, timeout,
                   communication_hint="auto"):
@@ -79,6 +81,50 @@ def enable_cross_process_collectives(cluster_spec, task_type, task_id, leader,
       default_session_config=context.config)
   context.enable_collective_ops(server_def)
   context.ensure_initialized()
+
+
+def abort_collectives(message, deadline_exceeded=False):
+  """Makes every collective of this process that is running, or runs later, fail.
+
+  A collective waiting for a peer that died or froze is blocked inside TensorFlow, and
+  no public API can wake it: this is the only way to stop it without a timeout on every
+  collective. The blocked calls raise `tf.errors.UnavailableError` (or
+  `DeadlineExceededError`) with `message`. TensorFlow allows no collective in this
+  process afterwards: the process must be restarted.
+  """
+  code = (tf.errors.DEADLINE_EXCEEDED if deadline_exceeded else tf.errors.UNAVAILABLE)
+  _eager_context.context().abort_collective_ops(code, message)
+
+
+def function_runs_collectives(name):
+  """Whether the function `name` (as TensorFlow's execute path names a call: a traced
+  function registered in this process) runs a collective op, in its body or in a
+  function it calls (a `tf.while_loop` body, a branch, a nested call). False for a name
+  that is an op, not a function. Reads the function library: call it off the hot path.
+  """
+  context = _eager_context.context()
+  seen = set()
+  pending = [name.decode() if isinstance(name, bytes) else str(name)]
+  while pending:
+    current = pending.pop()
+    if current in seen:
+      continue
+    seen.add(current)
+    try:
+      function_def = context.get_function_def(current)
+    except Exception:  # pylint: disable=broad-except
+      continue  # An op, or a function of another library: no collective of ours.
+    for node in function_def.node_def:
+      if node.op.startswith("Collective"):
+        return True
+      if context.has_function(node.op):
+        pending.append(node.op)  # A function called as an op.
+      for value in node.attr.values():
+        if value.HasField("func"):
+          pending.append(value.func.name)
+        elif value.HasField("list"):
+          pending.extend(f.name for f in value.list.func)
+  return False
 
 
 def check_peer_health(task, timeout):

@@ -3,6 +3,11 @@
 - A Keras 3 variable holds its TensorFlow variable in `_value`
   (`keras_backing_variable`); a Keras optimizer keeps the tf.distribute strategy it was
   created under in `_distribution_strategy` (`keras_optimizer_strategy`).
+- A compiled model's per-output loss trackers live on its `_compile_loss`
+  (`keras_output_loss_trackers`).
+- The callbacks of the `fit` call running (`keras_fit_callbacks`), and the file paths a
+  `BackupAndRestore` callback derives from its directory (`set_keras_backup_dir`,
+  `restore_keras_backup_dir`).
 - Which Keras code is creating a variable (layer state, a random seed's state) is told
   by no argument of the variable creator; the creating frames say it
   (`keras_variable_origin`).
@@ -11,6 +16,8 @@ Keras's modules are looked up among those already imported (a Keras variable bei
 created means Keras is loaded), never imported here.
 """
 
+import inspect
+import os
 import sys
 
 from diststrat._tf import tf
@@ -35,6 +42,75 @@ def keras_optimizer_strategy(optimizer):
   public accessor for it.
   """
   return getattr(optimizer, "_distribution_strategy", None)
+
+
+def keras_output_loss_trackers(model):
+  """The `keras.metrics.Mean` trackers of a compiled Keras 3 model's per-output losses.
+
+  Keras keeps them on the model's `_compile_loss` (a `CompileLoss`, built on the first
+  step); they are the "<output>_loss" entries of the logs. No public accessor tells them
+  from the model's other metrics. Empty when the model has none (one output, not
+  compiled, not built yet).
+  """
+  compile_loss = getattr(model, "_compile_loss", None)
+  return list(getattr(compile_loss, "metrics", None) or [])
+
+
+_KERAS_TF_TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
+_FIT_FRAMES_SEARCHED = 12
+
+
+def keras_fit_callbacks():
+  """The `callbacks` argument of the Keras `fit` call running in this thread, or None.
+
+  Keras passes a strategy nothing about `fit`'s callbacks, and it builds its
+  `CallbackList` (which calls `set_model` and then `on_train_begin`) after it asked the
+  strategy to distribute the dataset. Called from there, the calling frames reach
+  `TensorFlowTrainer.fit` and its `callbacks` argument (a list, a `CallbackList` or None)
+  while they can still be changed. None outside a `fit` (evaluate, predict, custom code).
+  """
+  trainer = getattr(sys.modules.get(_KERAS_TF_TRAINER_MODULE), "TensorFlowTrainer", None)
+  # Keras wraps `fit` (traceback filtering): the frame runs the wrapped function's code.
+  fit = getattr(inspect.unwrap(getattr(trainer, "fit", None)), "__code__", None)
+  if fit is None:
+    return None
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  for _ in range(_FIT_FRAMES_SEARCHED):
+    if frame is None:
+      return None
+    if frame.f_code is fit:
+      return frame.f_locals.get("callbacks")
+    frame = frame.f_back
+  return None
+
+
+_BACKUP_PATHS = ("_weights_path", "_training_metadata_path", "_prev_weights_path",
+                 "_prev_training_metadata_path")
+
+
+def set_keras_backup_dir(callback, backup_dir):
+  """Points a Keras `BackupAndRestore` callback at `backup_dir`; returns what it had.
+
+  The callback derives its file paths (`_weights_path`, ...) from `backup_dir` once, in
+  `__init__`, and keeps them in private attributes; they are derived here the same way
+  (relative to the old directory). Pass the returned state to
+  `restore_keras_backup_dir` to point it back.
+  """
+  old_dir = callback.backup_dir
+  state = {"backup_dir": old_dir}
+  for name in _BACKUP_PATHS:
+    old = getattr(callback, name)
+    state[name] = old
+    relative = os.path.relpath(old, old_dir)
+    setattr(callback, name, os.path.join(backup_dir, relative))
+  callback.backup_dir = backup_dir
+  return state
+
+
+def restore_keras_backup_dir(callback, state):
+  """Undoes `set_keras_backup_dir` with the state it returned."""
+  for name, value in state.items():
+    setattr(callback, name, value)
 
 
 # Where Keras 3 (TensorFlow backend) makes the tf.Variable behind a `keras.Variable`, and

@@ -9,6 +9,12 @@ One file per concept:
 
 - `_local_cluster.py`: `LocalCluster`, the launcher (child processes, ports, faults).
 - `_child.py`: what a child process runs (a server, or one worker's function).
+- `_serve.py`: `serve()`, a parameter server's process (and `LocalCluster`'s PS tasks).
+- `_task.py`: what a task of `diststrat-run` runs before the user's program.
+
+`cluster_from_environment()` and `cluster_from_slurm()` read the cluster the strategies
+use when given no cluster arguments (`TF_CONFIG`, else Slurm's variables); they live in
+`diststrat/_cluster_runtime/_environment.py` and are re-exported here.
 
 Example::
 
@@ -22,6 +28,12 @@ Example::
       losses = cluster.run_on_workers(train, steps=100)
 """
 
+from diststrat._cluster_runtime._environment import ClusterConfig as ClusterConfig
+from diststrat._cluster_runtime._environment import (
+    cluster_from_environment as cluster_from_environment)
+from diststrat._cluster_runtime._environment import cluster_from_slurm as cluster_from_slurm
 from diststrat.cluster._local_cluster import LocalCluster as LocalCluster
+from diststrat.cluster._serve import serve as serve
 
-__all__ = ["LocalCluster"]
+__all__ = ["LocalCluster", "serve", "ClusterConfig", "cluster_from_environment",
+           "cluster_from_slurm"]

@@ -4,7 +4,7 @@ The parent starts `python -c "from diststrat.cluster import _child; _child.main(
 where FD is its end of a socket pair, and sends one job (a dict) over it:
 
 - {"kind": "ps", ...}: start a `tf.distribute.Server` for the task, warm it up (see
-  `_warm_up`), answer ("ready", pid), then serve until the parent closes the socket (or
+  `_serve.warm_up`), answer ("ready", pid), then serve until the parent closes the socket (or
   dies).
 - {"kind": "worker", ...}: build the strategy the job names (`ParameterServerStrategy`
   or `MultiWorkerMirroredStrategy`) for the task, run
@@ -30,8 +30,8 @@ import traceback
 import types
 from multiprocessing import connection
 
-from diststrat._tf import tf
-from diststrat._cluster_runtime import _exposure
+from diststrat.cluster import _serve
+from diststrat.cluster import _task
 from diststrat.strategies import MultiWorkerMirroredStrategy
 from diststrat.strategies import ParameterServerStrategy
 
@@ -39,7 +39,6 @@ _STRATEGIES = {"parameter_server": ParameterServerStrategy,
                "multi_worker": MultiWorkerMirroredStrategy}
 
 _PARENT_POLL = 0.5
-_WARM_UP_JOB = "diststrat_warm_up"
 
 
 def _exit_when_orphaned(parent_pid):
@@ -61,32 +60,9 @@ def _load_main(main_path):
   sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 
-def _warm_up(job):
-  """Makes this process the first client of its own server, and runs one op there.
-
-  TensorFlow 2.21's eager service can crash (SIGSEGV, in GetOrCreateKernelAndDevice) when
-  the first contexts on a fresh server are created by several clients at once, and not
-  once one context exists on it (docs/parameter_server.md, "Start-up", with the soak
-  test's figures). So the PS creates the first one itself, before it says it is ready;
-  workers then never create the first.
-  """
-  address = job["cluster_spec"]["ps"][job["task_id"]]
-  host = address.rsplit(":", 1)[0]
-  view = tf.train.ClusterSpec({"ps": {job["task_id"]: address},
-                               _WARM_UP_JOB: [f"{host}:{job['warm_up_port']}"]})
-  tf.config.experimental_connect_to_cluster(view, job_name=_WARM_UP_JOB, task_index=0)
-  tf.config.list_logical_devices()
-  with tf.device(f"/job:ps/replica:0/task:{job['task_id']}/device:CPU:0"):
-    tf.raw_ops.Identity(input=tf.constant(0)).numpy()
-
-
 def _serve_ps(conn, job):
-  server = tf.distribute.Server(tf.train.ClusterSpec(job["cluster_spec"]),
-                                job_name=job["task_type"], task_index=job["task_id"],
-                                protocol="grpc", start=True)
-  _exposure.server_started(f"/job:ps/replica:0/task:{job['task_id']}",
-                           job["cluster_spec"]["ps"][job["task_id"]])
-  _warm_up(job)
+  server = _serve.start_server(job["cluster_spec"], job["task_type"], job["task_id"],
+                               warm_up_port=job["warm_up_port"])
   conn.send(("ready", os.getpid()))
   try:
     while True:
@@ -94,14 +70,6 @@ def _serve_ps(conn, job):
   except (EOFError, OSError):
     pass
   return server  # Referenced until here: deleting the Server object stops it.
-
-
-def _split_cpu(count):
-  """Splits the CPU into `count` logical devices (before TensorFlow initializes)."""
-  if count and not tf.config.list_physical_devices("GPU"):
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0],
-        [tf.config.LogicalDeviceConfiguration()] * count)
 
 
 def _error_payload(error):
@@ -116,7 +84,7 @@ def _error_payload(error):
 
 def _run_worker(conn, job):
   try:
-    _split_cpu(job.get("cpus"))  # Before the user's modules load: they may use TensorFlow.
+    _task.split_cpu(job.get("cpus"))  # Before the user's modules load: they may use TensorFlow.
     if job.get("main_path"):
       _load_main(job["main_path"])
     fn = pickle.loads(job["fn"])

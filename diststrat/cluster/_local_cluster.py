@@ -24,6 +24,8 @@ the cluster runs in a private network namespace (`_isolation.py`): the tasks rea
 other on loopback, and nothing outside the cluster reaches them.
 """
 
+from typing import Any, Callable, Optional
+
 import atexit
 import ipaddress
 import logging
@@ -157,7 +159,7 @@ class _Child:
       except ProcessLookupError:
         pass
 
-  def stop(self):
+  def stop(self) -> None:
     """Kills the process (SIGKILL works on a stopped one too) and reaps it."""
     self.signal(signal.SIGKILL)
     try:
@@ -176,7 +178,7 @@ class _WorkerRun:
     self.children = [None] * cluster.num_workers
     self._payloads = [None] * cluster.num_workers
 
-  def start(self):
+  def start(self) -> "LocalCluster":
     for task_id in range(len(self.children)):
       self.children[task_id] = self._start(task_id)
 
@@ -190,7 +192,7 @@ class _WorkerRun:
     self._payloads[task_id] = None
     self.children[task_id] = self._start(task_id)
 
-  def stop(self):
+  def stop(self) -> None:
     for child in self.children:
       if child is not None:
         child.stop()
@@ -304,9 +306,12 @@ class LocalCluster:
         cluster.run_on_workers(count, n=100)   # e.g. [187, 200]: the counter is shared
   """
 
-  def __init__(self, num_ps=1, num_workers=1, *, strategy_kwargs=None,
-               cpus_per_worker=None, start_timeout=DEFAULT_START_TIMEOUT,
-               result_timeout=DEFAULT_RESULT_TIMEOUT, host="127.0.0.1", isolate=None):
+  def __init__(self, num_ps: int = 1, num_workers: int = 1, *,
+               strategy_kwargs: Optional[dict] = None,
+               cpus_per_worker: Optional[int] = None,
+               start_timeout: float = DEFAULT_START_TIMEOUT,
+               result_timeout: float = DEFAULT_RESULT_TIMEOUT, host: str = "127.0.0.1",
+               isolate: Optional[bool] = None) -> None:
     for name, value, least in (("num_ps", num_ps, 0), ("num_workers", num_workers, 1),
                                ("cpus_per_worker", cpus_per_worker or 1, 1)):
       if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -357,7 +362,7 @@ class LocalCluster:
     self._check_running()
     return {job: list(addresses) for job, addresses in self._spec.items()}
 
-  def start(self):
+  def start(self) -> "LocalCluster":
     """Starts the PS servers and waits until each listens (at most `start_timeout`)."""
     with self._processes_lock:
       if self._state != "new":
@@ -385,7 +390,7 @@ class LocalCluster:
       raise
     return self
 
-  def stop(self):
+  def stop(self) -> None:
     """Stops every process of the cluster (idempotent). Bounded: ~10 s per process."""
     with self._processes_lock:
       if self._state == "stopped":
@@ -402,11 +407,11 @@ class LocalCluster:
       self._namespace.close()
     _running_clusters.discard(self)
 
-  def pid(self, task_type, task_id):
+  def pid(self, task_type: str, task_id: int) -> Optional[int]:
     """The process id of a task (a worker's only while `run_on_workers` runs)."""
     return self._child(task_type, task_id).pid
 
-  def kill(self, task_type, task_id, sig=signal.SIGKILL):
+  def kill(self, task_type: str, task_id: int, sig: int = signal.SIGKILL) -> None:
     """Sends `sig` to a task's process: SIGKILL (default) kills it, SIGSTOP freezes it.
 
     A killed PS task stays down until `restart`. A killed worker makes the running
@@ -423,7 +428,7 @@ class LocalCluster:
       except subprocess.TimeoutExpired:  # pragma: no cover
         pass
 
-  def restart(self, task_type, task_id):
+  def restart(self, task_type: str, task_id: int) -> None:
     """Restarts a task on the same port, killing it first if it still runs.
 
     A PS task comes back empty (its variables are gone): workers call
@@ -449,7 +454,8 @@ class LocalCluster:
       self._child(task_type, task_id)  # Checks the task.
       self._run.restart(task_id)
 
-  def run_on_workers(self, fn, strategy=None, **kwargs):
+  def run_on_workers(self, fn: Callable[..., Any], strategy: Optional[str] = None,
+                     **kwargs: Any) -> list:
     """Runs `fn(strategy, **kwargs)` in one fresh process per worker task, all at once.
 
     Each process gets a strategy for its own worker task of the cluster. Waits at most
@@ -518,7 +524,7 @@ class LocalCluster:
           self._run = None
       run.stop()
 
-  def exit_status(self, task_type, task_id):
+  def exit_status(self, task_type: str, task_id: int) -> Optional[int]:
     """A task's process exit status: None while it runs, negative for a signal (-11:
     SIGSEGV). A worker's only while `run_on_workers` runs."""
     return self._child(task_type, task_id).process.poll()

@@ -16,7 +16,7 @@ from diststrat.cross_tower_ops import _packing
 from diststrat.cross_tower_ops._one_device import ReductionToOneDevice
 from diststrat.values import _wrapped
 
-_DEFAULT_TIMEOUT = 60.0
+_DEFAULT_TIMEOUT = None
 
 
 def _naive(ops, devices, columns, mean, first):
@@ -120,8 +120,12 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
       one dtype into `num_packs` flat chunks, reduces the chunks and splits them back (when
       every shape is fully known; otherwise it silently goes tensor by tensor). Fewer,
       bigger transfers help on GPUs; on CPUs the concatenation costs more than it saves.
-    timeout: seconds a collective (`"collective"`, `"nccl"`) waits for the other devices
-      before it fails with `DeadlineExceededError`, instead of hanging. None waits forever.
+    timeout: None (the default): the collectives (`"collective"`, `"nccl"`) have no
+      timeout. Their members are launched together, in one function call, so none waits
+      for a member that is not coming, and an error in the call ends them all. A number:
+      seconds a collective waits for the other devices before it fails with
+      `DeadlineExceededError`; TensorFlow then holds a native thread per collective run
+      for that long, finished or not (thousands at fast steps), so use it to debug only.
 
   Raises:
     ValueError: an unknown algorithm, a bad `num_packs` or `timeout`; `"nccl"` used on
@@ -138,7 +142,7 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
   """
 
   def __init__(self, algorithm: str = "collective", num_packs: int = 1,
-               timeout: float | None = _DEFAULT_TIMEOUT):
+               timeout: float | None = _DEFAULT_TIMEOUT) -> None:
     super().__init__()
     if algorithm not in _ALGORITHMS:
       raise ValueError(f"algorithm must be one of {', '.join(map(repr, _ALGORITHMS))}. "
@@ -220,8 +224,9 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
   def _failure_hint(self):
     if self._algorithm not in _USES_COLLECTIVES:
       return ""
+    timeout = "none" if self._timeout is None else f"{self._timeout:g} s"
     return (f" A collective all-reduce (algorithm={self._algorithm!r}, timeout="
-            f"{self._timeout} s) fails when some device never joins it or a device dies. "
+            f"{timeout}) fails when some device never joins it or a device dies. "
             "After such a failure TensorFlow aborts every later collective in this process: "
             "restart the process. To avoid collectives, use "
             "AllReduceCrossTowerOps(algorithm='naive') or ReductionToOneDevice().")

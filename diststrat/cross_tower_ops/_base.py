@@ -40,7 +40,7 @@ class CrossTowerOps:
     [2.0, 2.0]
   """
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._launcher = _launch.Launcher(self._build)
 
   # Subclasses implement: `_reduce` (required); the hooks after it have defaults.

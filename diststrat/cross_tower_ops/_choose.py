@@ -1,8 +1,11 @@
 """The one chooser of a reduction for a set of devices.
 
 `MirroredStrategy` (and anything else that is given no `CrossTowerOps`) reduces with
-what `choose_cross_tower_ops(devices)` returns; docs/cross_tower_ops.md gives the
-measurements behind the choice and when to pick another.
+what `choose_cross_tower_ops(devices)` returns. The choice goes by the kind of device
+(NCCL for GPUs, the collective all-reduce, which also works across processes, otherwise),
+not by speed: on logical CPU devices `"naive"` is faster. docs/cross_tower_ops.md ("Which
+one to pick") gives measurements from benchmarks/mirrored_benchmark.py and says when to
+pick another.
 """
 
 from typing import Sequence

@@ -17,6 +17,8 @@ reductions in the same order (the same program does): collective instances are m
 across processes by the order in which they are built.
 """
 
+from typing import Any, Optional, Sequence
+
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat.cross_tower_ops import _base
@@ -25,13 +27,12 @@ from diststrat.cross_tower_ops import _packing
 from diststrat.values import _wrapped
 
 SCHEMES = ("hierarchical", "flat")
+_NO_TIMEOUT = 0  # The collectives' own timeout: none (see `timeout` below).
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_BUCKET_BYTES = 2**20
 """Tensors of one dtype reduced across workers together, up to this many bytes a collective.
 
-Fewer collectives cost fewer launches and fewer threads: TensorFlow holds a thread for
-every run of a collective with a timeout until the timeout expires (docs/multi_worker.md).
-Larger tensors go alone: several concurrent rings move big tensors faster over gRPC than
+Fewer collectives cost fewer launches. Larger tensors go alone: several concurrent rings move big tensors faster over gRPC than
 one ring of their concatenation (measured with 4 MiB buckets: the 64 MiB all-reduce of 50
 tensors of 1.3 MB fell from 1.39x to 0.92x of tf.distribute on 2 workers x 1).
 """
@@ -51,8 +52,10 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     bucket_bytes: with `num_packs=1`, the tensors of one dtype, in order, are
       concatenated into buckets of at most this many bytes, one collective each (a larger
       tensor is reduced alone). None: one collective per tensor.
-    timeout: seconds a collective waits for the other workers before it fails
-      (`DeadlineExceededError`), instead of hanging.
+    timeout: seconds a call that runs collectives may wait for the other workers before
+      it fails, instead of hanging. The collectives themselves carry no timeout
+      (TensorFlow would hold a native thread per run for that long): the strategy's
+      watchdog enforces it (diststrat/_cluster_runtime/_collective_watchdog.py).
 
   Example:
     >>> from diststrat.cross_tower_ops import CrossWorkerAllReduce
@@ -62,8 +65,9 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
 
   _one_value_is_the_total = False  # Other workers hold values too.
 
-  def __init__(self, scheme="hierarchical", num_packs=1, timeout=DEFAULT_TIMEOUT,
-               bucket_bytes=DEFAULT_BUCKET_BYTES):
+  def __init__(self, scheme: str = "hierarchical", num_packs: int = 1,
+               timeout: float = DEFAULT_TIMEOUT,
+               bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES) -> None:
     super().__init__()
     if scheme not in SCHEMES:
       raise ValueError(f"scheme must be one of {', '.join(map(repr, SCHEMES))}. Received: "
@@ -96,7 +100,8 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     return (f"CrossWorkerAllReduce(scheme={self._scheme!r}, num_packs={self._num_packs}"
             f"{buckets})")
 
-  def bind(self, local_devices, all_devices, worker_index, num_workers):
+  def bind(self, local_devices: Sequence[str], all_devices: Sequence[str],
+           worker_index: int, num_workers: int) -> "CrossWorkerAllReduce":
     """Binds this to a cluster. Called by the strategy; every worker binds the same way.
 
     Args:
@@ -167,7 +172,7 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
 
   # --- what the strategy calls besides reductions ---
 
-  def broadcast_from_chief(self, tensor):
+  def broadcast_from_chief(self, tensor: tf.Tensor) -> tf.Tensor:
     """`tensor` as worker 0 has it, in every worker (on this worker's first device).
 
     Built as a sum to which the other workers add zeros, so it needs no extra kind of
@@ -187,7 +192,7 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
       return tf.function(build, autograph=False)(tensor)
     return build(tensor)
 
-  def gather(self, per_device_value, axis):
+  def gather(self, per_device_value: Any, axis: int) -> tf.Tensor:
     """Every tower's value of every worker, concatenated along `axis` in tower order."""
     local, _, _, _ = self._bound()
 
@@ -256,7 +261,7 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     if tensor.shape.num_elements() == 0:
       return tensor
     local = self._bound()[0]
-    return _collective.all_reduce([tensor], local[:1], mean=False, timeout=self._timeout,
+    return _collective.all_reduce([tensor], local[:1], mean=False, timeout=_NO_TIMEOUT,
                                   group=self._leaders)[0]
 
   def _flat(self, local, all_devices, columns, mean):
@@ -267,7 +272,7 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
         continue
       float_mean = mean and not column[0].dtype.is_integer
       reduced.append(tuple(_collective.all_reduce(
-          list(column), local, float_mean, self._timeout, group=all_devices)))
+          list(column), local, float_mean, _NO_TIMEOUT, group=all_devices)))
     reduced = _collective.run_together(reduced, local)
     if mean:
       reduced = [tuple(r if not r.dtype.is_integer else _base.divide(r, len(all_devices))
@@ -282,12 +287,12 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     del worker_index
     device = self._bound()[0][0]
     rows = tf.shape(tensor, out_type=tf.int64)[0]
-    longest = _collective.all_reduce_max(rows, device, self._leaders, self._timeout)
+    longest = _collective.all_reduce_max(rows, device, self._leaders, _NO_TIMEOUT)
     padding = [[0, longest - rows]] + [[0, 0]] * (tensor.shape.rank - 1)
     padded = tf.pad(tensor, padding)
-    gathered = _collective.all_gather(padded, device, self._leaders, self._timeout)
+    gathered = _collective.all_gather(padded, device, self._leaders, _NO_TIMEOUT)
     lengths = _collective.all_gather(tf.reshape(rows, [1]), device, self._leaders,
-                                     self._timeout)
+                                     _NO_TIMEOUT)
     keep = tf.sequence_mask(lengths, longest)  # [workers, longest]
     return tf.boolean_mask(gathered, tf.reshape(keep, [-1]))
 

@@ -28,7 +28,7 @@ class ReductionToOneDevice(_base.CrossTowerOps):
   """
 
   def __init__(self, reduce_to_device: str | None = None,
-               accumulation_fn: Callable[[list[Any]], Any] = tf.math.add_n):
+               accumulation_fn: Callable[[list[Any]], Any] = tf.math.add_n) -> None:
     super().__init__()
     if not callable(accumulation_fn):
       raise ValueError("accumulation_fn must be a callable that adds a list of tensors, "

@@ -63,7 +63,7 @@ class Optimizer(tf.Module):
           return var.scatter_sub(tf.IndexedSlices(self._lr * tf.sign(grad.values), grad.indices))
   """
 
-  def __init__(self, name: str, loss_reduction: str = "mean"):
+  def __init__(self, name: str, loss_reduction: str = "mean") -> None:
     super().__init__(name=name)
     if loss_reduction not in ("mean", "sum"):
       raise ValueError("loss_reduction must be 'mean' or 'sum'. Received: "
@@ -159,7 +159,7 @@ class Optimizer(tf.Module):
     return global_step
 
   @tf.autograph.experimental.do_not_convert
-  def build(self, var_list):
+  def build(self, var_list: Sequence[Any]) -> None:
     """Creates the optimizer's state (slots, non-slot variables) for `var_list` now.
 
     Optional: state is otherwise created on the first apply. Building first lets

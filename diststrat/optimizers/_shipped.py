@@ -37,7 +37,7 @@ class GradientDescent(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   """
 
   def __init__(self, learning_rate: Any, loss_reduction: str = "mean",
-               name: str = "GradientDescent"):
+               name: str = "GradientDescent") -> None:
     super().__init__(name, loss_reduction=loss_reduction)
     self._learning_rate = learning_rate
 
@@ -59,7 +59,7 @@ class Momentum(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   """
 
   def __init__(self, learning_rate: Any, momentum: Any, use_nesterov: bool = False,
-               loss_reduction: str = "mean", name: str = "Momentum"):
+               loss_reduction: str = "mean", name: str = "Momentum") -> None:
     super().__init__(name, loss_reduction=loss_reduction)
     self._learning_rate = learning_rate
     self._momentum = momentum
@@ -98,7 +98,7 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   """
 
   def __init__(self, learning_rate: Any = 0.001, beta1: float = 0.9, beta2: float = 0.999,
-               epsilon: float = 1e-8, loss_reduction: str = "mean", name: str = "Adam"):
+               epsilon: float = 1e-8, loss_reduction: str = "mean", name: str = "Adam") -> None:
     super().__init__(name, loss_reduction=loss_reduction)
     self._learning_rate = learning_rate
     self._beta1 = beta1

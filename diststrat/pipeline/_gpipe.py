@@ -70,7 +70,7 @@ class GPipe(tf.Module):
 
   def __init__(self, layers: Any, devices: Any = None, num_micro_batches: int = 1,
                recompute: bool = False, partition: str | Sequence[int] = "cost",
-               name: str = "gpipe"):
+               name: str = "gpipe") -> None:
     super().__init__(name=name)
     self._layers = _layer_list(layers)
     self._pipelines = _resolve_devices(devices)

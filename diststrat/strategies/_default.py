@@ -39,7 +39,7 @@ class DefaultStrategy(DistributionStrategy):
           _INSTANCE = instance
     return _INSTANCE
 
-  def __init__(self):  # pylint: disable=super-init-not-called
+  def __init__(self) -> None:  # pylint: disable=super-init-not-called
     pass  # The singleton was initialized once, in __new__.
 
   def _scope_context_managers(self):

@@ -1,5 +1,7 @@
 """`MirroredStrategy`: data parallelism over the devices of one machine."""
 
+from typing import Any, Optional, Sequence
+
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
@@ -66,7 +68,8 @@ class MirroredStrategy(DistributionStrategy):
       devices.
     cross_tower_ops: a `diststrat.cross_tower_ops.CrossTowerOps` that does reductions.
       Default: `choose_cross_tower_ops(devices)`: NCCL on several GPUs, collective ops
-      otherwise (docs/cross_tower_ops.md says when to pick another).
+      otherwise. On logical CPU devices `AllReduceCrossTowerOps("naive")` is faster
+      (docs/cross_tower_ops.md, "Which one to pick", says when to pick another).
     tower_timeout: seconds a tower may run between two pauses (merge_call or return)
       before the call fails with an error naming the tower; a guard against hangs.
 
@@ -80,8 +83,9 @@ class MirroredStrategy(DistributionStrategy):
     6.0
   """
 
-  def __init__(self, devices=None, cross_tower_ops=None,
-               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT):
+  def __init__(self, devices: Optional[Sequence[str]] = None,
+               cross_tower_ops: Optional[Any] = None,
+               tower_timeout: float = _tower_threads.DEFAULT_TOWER_TIMEOUT) -> None:
     super().__init__()
     tower_timeout = _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)
     if devices is None:

@@ -1,12 +1,12 @@
 """`MultiWorkerMirroredStrategy`: synchronous data parallelism across worker processes."""
 
-import json
-import os
+from typing import Any, Optional, Sequence
 
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
 from diststrat._cluster_runtime import _connection
+from diststrat._cluster_runtime import _environment
 from diststrat._cluster_runtime import _worker_group
 from diststrat.cross_tower_ops import _cross_worker
 from diststrat.strategies import _mirrored
@@ -39,15 +39,18 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
 
   Args:
     cluster_spec: {"worker": ["host:port", ...]} (a "chief" job, if present, counts as
-      the first worker), or a `tf.train.ClusterSpec`. None: the `cluster` of the
-      `TF_CONFIG` environment variable if set, else this process alone.
-    task_type, task_id: this process's task (from `TF_CONFIG` when it is used).
+      the first worker), or a `tf.train.ClusterSpec`. None: the cluster of the
+      `TF_CONFIG` environment variable if set (`diststrat-run` sets it), else the
+      cluster of a Slurm step (`diststrat.cluster.cluster_from_slurm`), else this
+      process alone.
+    task_type, task_id: this process's task (from the environment when the cluster is).
     devices: this process's tower devices. Default: its GPUs, else its CPU devices.
       Every worker must have the same number.
     cross_worker_ops: a `diststrat.cross_tower_ops.CrossWorkerAllReduce` (scheme,
       packing, timeout). Default: `CrossWorkerAllReduce("hierarchical",
       timeout=collective_timeout)`.
-    collective_timeout: seconds a collective waits for the other workers.
+    collective_timeout: seconds a call that runs collectives (a step) may wait for the
+      other workers; a watchdog thread enforces it (docs/multi_worker.md, "Faults").
     tower_timeout: as for `MirroredStrategy`.
 
   Example (in each worker process, e.g. run by `LocalCluster.run_on_workers`)::
@@ -59,14 +62,20 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
         model = ...
   """
 
-  def __init__(self, cluster_spec=None, task_type="worker", task_id=0, devices=None,
-               cross_worker_ops=None, collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT,
-               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT):
+  def __init__(self, cluster_spec: Optional[Any] = None, task_type: str = "worker",
+               task_id: int = 0, devices: Optional[Sequence[str]] = None,
+               cross_worker_ops: Optional[Any] = None,
+               collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+               tower_timeout: float = _tower_threads.DEFAULT_TOWER_TIMEOUT) -> None:
     collective_timeout = _arguments.seconds("collective_timeout", collective_timeout,
                                             allow_none=False)
     _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)  # Before starting.
-    if cluster_spec is None and os.environ.get("TF_CONFIG"):
-      cluster_spec, task_type, task_id = _from_tf_config(os.environ["TF_CONFIG"])
+    source = None
+    if cluster_spec is None:
+      config = _environment.cluster_from_environment()
+      if config is not None:
+        cluster_spec, task_type, task_id = config.cluster_spec, config.task_type, config.task_id
+        source = config.source
     if cross_worker_ops is None:
       cross_worker_ops = _cross_worker.CrossWorkerAllReduce(timeout=collective_timeout)
     elif not isinstance(cross_worker_ops, _cross_worker.CrossWorkerAllReduce):
@@ -80,11 +89,19 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
       every = local
       index, num_workers = 0, 1
     else:
-      spec = _connection.normalize_cluster_spec(cluster_spec, task_type, task_id,
-                                                with_ps=False)
+      spec = _environment.checked(
+          lambda: _connection.normalize_cluster_spec(cluster_spec, task_type, task_id,
+                                                     with_ps=False), source)
       self._cluster_spec = spec
       name = f"MultiWorkerMirroredStrategy of /job:{task_type}/replica:0/task:{task_id}"
-      self._group = _worker_group.WorkerGroup(spec, task_type, task_id, name)
+      self._group = _worker_group.WorkerGroup(spec, task_type, task_id, name,
+                                              collective_timeout=cross_worker_ops.timeout)
+      # The workers start independently (diststrat-run, Slurm, several machines): wait,
+      # at most the collective timeout, until every other worker's server is up, so
+      # that the first collective does not take a peer still starting for a dead one.
+      _connection.wait_for_servers(
+          [address for job, addresses in spec.items() for i, address in enumerate(addresses)
+           if (job, i) != (task_type, task_id)], cross_worker_ops.timeout)
       local = (_devices.canonicalize_all(devices, default=self._group.local_task)
                if devices else self._group.local_devices())
       every = self._group.devices_of_every_worker(local)
@@ -169,13 +186,3 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
     mine = _wrapped.PerDevice({self._devices[0]: tensor})
     return self._cross_tower_ops.reduce("sum", mine, self._devices[:1]).primary
 
-
-def _from_tf_config(text):
-  """(cluster_spec, task_type, task_id) from a TF_CONFIG JSON string."""
-  try:
-    config = json.loads(text)
-    return config["cluster"], config["task"]["type"], int(config["task"]["index"])
-  except (ValueError, KeyError, TypeError) as e:
-    raise ValueError("TF_CONFIG must be JSON such as {\"cluster\": {\"worker\": "
-                     "[\"host:port\", ...]}, \"task\": {\"type\": \"worker\", \"index\": 0}}. "
-                     f"Received: TF_CONFIG={text!r}") from e

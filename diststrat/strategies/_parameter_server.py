@@ -1,5 +1,7 @@
 """`ParameterServerStrategy`: variables live once, on parameter devices; towers on workers."""
 
+from typing import Any, Callable, Optional, Sequence, Union
+
 import contextlib
 import itertools
 import numbers
@@ -13,6 +15,7 @@ from diststrat import cross_tower_ops
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
 from diststrat._cluster_runtime import _connection
+from diststrat._cluster_runtime import _environment
 from diststrat._cluster_runtime import _read_cache
 from diststrat.strategies import _tower_threads
 from diststrat.values import _variables
@@ -91,6 +94,31 @@ class VariablePlacer:
     return device
 
 
+def _cluster_from_environment():
+  """The PS cluster the environment names for this worker, or None (see `__init__`)."""
+  config = _environment.cluster_from_environment()
+  if config is None:
+    return None
+  where = ("the TF_CONFIG environment variable" if config.source == _environment.TF_CONFIG
+           else "Slurm's variables")
+  if not config.cluster_spec.get(_connection.PS_JOB):
+    hint = ("launch with diststrat-run --ps 1 (or more)" if config.source ==
+            _environment.TF_CONFIG else
+            f"set {_environment.SLURM_NUM_PS_ENV} to the number of PS tasks")
+    raise ValueError(
+        f"ParameterServerStrategy() read its cluster from {where}, which names no "
+        f"parameter server (a 'ps' job). Received: cluster={config.cluster_spec!r}. To "
+        f"train with parameter servers, {hint}; for synchronous training on workers only, "
+        "use MultiWorkerMirroredStrategy().")
+  if config.task_type == _connection.PS_JOB:
+    raise ValueError(
+        f"This process is parameter server task {config.task_id} by {where}, and "
+        "parameter servers run no model code. Run diststrat.cluster.serve() in PS tasks "
+        "instead of the training program (diststrat-run does this itself): see "
+        "docs/launch.md.")
+  return config
+
+
 class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy):
   """Variables on parameter devices, towers on worker devices.
 
@@ -114,9 +142,13 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     ps_devices: where variables live. Default: the first local CPU device. Not allowed
       with `cluster_spec`, which names the PS tasks.
     cluster_spec: {"ps": ["host:port", ...], "worker": ["host:port", ...]} (or a
-      `tf.train.ClusterSpec`) to run as one worker task of that cluster.
-    task_type: this process's job in the cluster.
-    task_id: this process's task index in its job.
+      `tf.train.ClusterSpec`) to run as one worker task of that cluster. None (and no
+      `ps_devices`): the cluster of the `TF_CONFIG` environment variable if set
+      (`diststrat-run` sets it), else of a Slurm step
+      (`diststrat.cluster.cluster_from_slurm`), else this process alone.
+    task_type: this process's job in the cluster (from the environment when the
+      cluster is).
+    task_id: this process's task index in its job (likewise).
     variable_placement: "least_loaded", "round_robin", or a callable
       `(name, shape, dtype) -> device`.
     tower_timeout: seconds a tower may run between pauses (see `MirroredStrategy`).
@@ -149,12 +181,22 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
       loss = s.run_step(train_step, batch)     # ClusterError if a PS task dies or freezes
   """
 
-  def __init__(self, worker_devices=None, ps_devices=None, cluster_spec=None,
-               task_type="worker", task_id=0, variable_placement="least_loaded",
-               tower_timeout=_tower_threads.DEFAULT_TOWER_TIMEOUT,
-               step_timeout=DEFAULT_STEP_TIMEOUT, cache_reads=None,
-               cache_reads_max_bytes=_read_cache.DEFAULT_MAX_BYTES):
+  def __init__(self, worker_devices: Optional[Sequence[str]] = None,
+               ps_devices: Optional[Sequence[str]] = None,
+               cluster_spec: Optional[Any] = None, task_type: str = "worker",
+               task_id: int = 0,
+               variable_placement: Union[str, Callable[..., str]] = "least_loaded",
+               tower_timeout: float = _tower_threads.DEFAULT_TOWER_TIMEOUT,
+               step_timeout: Optional[float] = DEFAULT_STEP_TIMEOUT,
+               cache_reads: Optional[bool] = None,
+               cache_reads_max_bytes: int = _read_cache.DEFAULT_MAX_BYTES) -> None:
     super().__init__()
+    source = None
+    if cluster_spec is None and ps_devices is None:
+      config = _cluster_from_environment()
+      if config is not None:
+        cluster_spec, task_type, task_id = config.cluster_spec, config.task_type, config.task_id
+        source = config.source
     step_timeout = _arguments.seconds("step_timeout", step_timeout)
     tower_timeout = _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)
     if cache_reads is None:
@@ -174,8 +216,12 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
             "ps_devices cannot be given with cluster_spec: in cluster mode the parameter "
             "devices are the CPUs of the 'ps' tasks of the spec. Received: "
             f"ps_devices={ps_devices!r}")
-      spec = _connection.normalize_cluster_spec(cluster_spec, task_type, task_id)
+      spec = _environment.checked(
+          lambda: _connection.normalize_cluster_spec(cluster_spec, task_type, task_id), source)
       self._cluster_spec = spec
+      if source is not None:  # Started with its PS tasks (Slurm, Kubernetes): let them start.
+        _connection.wait_for_servers(spec[_connection.PS_JOB],
+                                     step_timeout or DEFAULT_STEP_TIMEOUT)
       self._cluster = _connection.ClusterConnection(
           spec, task_type, task_id, step_timeout,
           name=f"ParameterServerStrategy of /job:{task_type}/replica:0/task:{task_id}")
@@ -256,7 +302,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
                        f"{self!r} runs in one process).")
     self._cluster.guard.timeout = seconds
 
-  def run_step(self, fn, *args, **kwargs):
+  def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Runs one training step, `fn(*args, **kwargs)`, and returns its result.
 
     In cluster mode the step runs under the watchdog: in a helper thread that the
@@ -324,7 +370,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
 
     return guard.run(call, what)
 
-  def reconnect(self):
+  def reconnect(self) -> None:
     """Connects this worker to the cluster again, after a PS task was restarted.
 
     A restarted PS task starts empty, and TensorFlow refuses to talk to it over the old
@@ -363,6 +409,9 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     # tf.function: it lives on a PS task beyond any one trace.
     with tf.init_scope() if self._cluster is not None else contextlib.nullcontext():
       kwargs = dict(kwargs)
+      if self._cluster is not None and \
+          kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
+        return self._create_worker_local_variable(next_creator, kwargs)
       if colocate_with is not None:
         device = _wrapped.devices_of(colocate_with)[0]
       else:
@@ -371,6 +420,19 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
                                     kwargs["initial_value"].dtype)
       return self._wrap_if_written_in_towers(
           self._make_variable(device, next_creator, kwargs), device, kwargs)
+
+  def _create_worker_local_variable(self, next_creator, kwargs):
+    """A tower-local variable (ON_READ: Keras metrics) of this worker process, in cluster mode.
+
+    Its state is this worker's, as under tf.distribute: shared on a PS task, another
+    worker's resets and updates would land in this worker's metrics (SPEC section 9).
+    It is a plain variable on this worker's first device, written by every tower (the
+    towers' values add up, as a parameter-device variable's do in one process), never
+    shared with the other workers, and saved by checkpoints as this worker's value.
+    """
+    with tf.device(self._worker_devices_tuple[0]):
+      kwargs["initial_value"] = _arguments.initial_value_tensor(kwargs)
+      return _variables.mark_created_by(next_creator(**kwargs), self)
 
   def _wrap_if_written_in_towers(self, variable, device, kwargs):
     """`variable`, or a one-copy `MirroredVariable` of it if towers write it as one.

@@ -18,6 +18,7 @@ tower's id hashed in. See docs/keras.md.
 """
 
 import threading
+from typing import Any, Mapping, Optional
 import weakref
 
 import numpy as np
@@ -112,11 +113,13 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   # then use `.handle`, the handle of the component for the current context.
   _should_act_as_resource_variable = True
 
-  def is_tensor_like(self):
+  def is_tensor_like(self) -> bool:
     """Makes `tf.is_tensor()` true, as for a tf.Variable (tf.GradientTape.watch checks it)."""
     return True
 
-  def __init__(self, index, aggregation=tf.VariableAggregation.NONE, strategy=None):
+  def __init__(self, index: Mapping[str, Any],
+               aggregation: Any = tf.VariableAggregation.NONE,
+               strategy: Any = None) -> None:
     _wrapped.DistributedValues.__init__(self, index)
     self._aggregation = aggregation
     self._strategy = strategy
@@ -167,7 +170,7 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   def shape(self):
     return self.primary.shape
 
-  def get_shape(self):
+  def get_shape(self) -> tf.TensorShape:
     return self.primary.get_shape()
 
   @property
@@ -216,7 +219,7 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   def _in_graph_mode(self):
     return _tf_internal.in_graph_mode(self.primary)
 
-  def is_initialized(self, name=None):
+  def is_initialized(self, name: Optional[str] = None) -> Any:
     return tf.reduce_all([c.is_initialized() for c in self._index.values()], name=name)
 
   # --- reads ---
@@ -228,22 +231,22 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     return self._rules.tower_read(value)
 
   @tf.autograph.experimental.do_not_convert
-  def value(self):
+  def value(self) -> tf.Tensor:
     return self._tower_stream(self._component().value())
 
   @tf.autograph.experimental.do_not_convert
-  def read_value(self):
+  def read_value(self) -> tf.Tensor:
     return self._tower_stream(self._component().read_value())
 
   @tf.autograph.experimental.do_not_convert
-  def sparse_read(self, indices, name=None):
+  def sparse_read(self, indices: Any, name: Optional[str] = None) -> tf.Tensor:
     return self._component().sparse_read(indices, name=name)
 
   @tf.autograph.experimental.do_not_convert
-  def gather_nd(self, indices, name=None):
+  def gather_nd(self, indices: Any, name: Optional[str] = None) -> tf.Tensor:
     return self._component().gather_nd(indices, name=name)
 
-  def numpy(self):
+  def numpy(self) -> Any:
     if not tf.executing_eagerly():
       raise NotImplementedError("numpy() is only available in eager mode.")
     return self.read_value().numpy()
@@ -270,15 +273,18 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   # --- writes: subclasses decide ---
 
   @tf.autograph.experimental.do_not_convert
-  def assign(self, value, use_locking=False, name=None, read_value=True):
+  def assign(self, value: Any, use_locking: bool = False, name: Optional[str] = None,
+             read_value: bool = True) -> Any:
     return self._write("assign", value, read_value)
 
   @tf.autograph.experimental.do_not_convert
-  def assign_add(self, delta, use_locking=False, name=None, read_value=True):
+  def assign_add(self, delta: Any, use_locking: bool = False, name: Optional[str] = None,
+                 read_value: bool = True) -> Any:
     return self._write("assign_add", delta, read_value)
 
   @tf.autograph.experimental.do_not_convert
-  def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
+  def assign_sub(self, delta: Any, use_locking: bool = False, name: Optional[str] = None,
+                 read_value: bool = True) -> Any:
     return self._write("assign_sub", delta, read_value)
 
   def _write(self, method, value, read_value):
@@ -467,12 +473,12 @@ class TowerLocalVariable(DistributedVariable):
     processes = 1 if self._strategy is None else self._strategy._num_processes()  # pylint: disable=protected-access
     return len(self._index) * processes
 
-  def value(self):
+  def value(self) -> tf.Tensor:
     if _in_real_tower() or _context.get_update_device() is not None:
       return self._component().value()
     return self._aggregate()
 
-  def read_value(self):
+  def read_value(self) -> tf.Tensor:
     return self.value()
 
   def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):

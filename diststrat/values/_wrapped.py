@@ -1,6 +1,6 @@
 """Wrapped values: one value per device, and moving between per-tower and wrapped forms."""
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from diststrat._tf import tf
 from diststrat import _context
@@ -24,7 +24,7 @@ class DistributedValues:
 
   _holds_copies = False  # True when every component is a copy of one value.
 
-  def __init__(self, index):
+  def __init__(self, index: Mapping[str, Any]) -> None:
     if not isinstance(index, dict) or not index:
       raise ValueError(f"{type(self).__name__} takes a non-empty dict from device to value. "
                        f"Received: {index!r}")

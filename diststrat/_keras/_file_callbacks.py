@@ -1,0 +1,87 @@
+"""Keras callbacks that write files, in every worker process of a synchronous cluster.
+
+Under `MultiWorkerMirroredStrategy` every worker runs the same `model.fit`, with the
+same callbacks. Those that write files (`ModelCheckpoint`, `CSVLogger`,
+`BackupAndRestore`, `TensorBoard`) must still write in every worker (a save reads the
+tower-local variables, a collective across the workers), but two workers writing one
+path race. So, as tf.distribute's Keras did: the chief (worker 0) writes to the user's
+path; every other worker writes to a scratch directory of its own, removed when `fit`
+ends, and the callback's path is given back. User code does not branch on the task.
+
+`redirect_fit_callbacks` is called by the bridge when Keras's `fit` asks for its dataset
+(before it builds its callback list): the callbacks are found in `fit`'s arguments
+(`_tf_internal.keras_fit_callbacks`).
+
+`BackupAndRestore` reads the chief's backup at the start of `fit` (every worker must
+restore the same state) and writes to the scratch directory after that.
+"""
+
+import os
+import shutil
+import tempfile
+import weakref
+
+from diststrat import _tf_internal
+
+_redirected = weakref.WeakKeyDictionary()  # callback -> its scratch directory
+
+
+def _file_callback_kinds():
+  import keras  # pylint: disable=import-outside-toplevel
+  return {keras.callbacks.ModelCheckpoint: "filepath", keras.callbacks.CSVLogger: "filename",
+          keras.callbacks.TensorBoard: "log_dir", keras.callbacks.BackupAndRestore: None}
+
+
+def redirect_fit_callbacks(strategy):
+  """In a worker other than the chief of a multi-process strategy: points the file
+  callbacks of the running `fit` at scratch directories (see the module doc)."""
+  if strategy._num_processes() <= 1 or getattr(strategy, "is_chief", True):  # pylint: disable=protected-access
+    return
+  callbacks = _tf_internal.keras_fit_callbacks()
+  if callbacks is None:
+    return
+  callbacks = getattr(callbacks, "callbacks", callbacks)  # A CallbackList, or a list.
+  if not isinstance(callbacks, (list, tuple)):
+    callbacks = [callbacks]
+  kinds = _file_callback_kinds()
+  for callback in callbacks:
+    kind = next((k for k in kinds if isinstance(callback, k)), None)
+    if kind is not None and callback not in _redirected:
+      _redirect(callback, kinds[kind], strategy)
+
+
+def _redirect(callback, attribute, strategy):
+  scratch = tempfile.mkdtemp(prefix=f"diststrat_worker{strategy.task_id}_")
+  _redirected[callback] = scratch
+  cleanup = weakref.finalize(callback, shutil.rmtree, scratch, ignore_errors=True)
+  restore = []
+
+  if attribute is not None:
+    user_path = getattr(callback, attribute)
+    name = os.path.basename(os.path.normpath(str(user_path))) or "output"
+    setattr(callback, attribute, os.path.join(scratch, name))
+    restore.append(lambda: setattr(callback, attribute, user_path))
+  else:  # BackupAndRestore: restore from the chief's backup, then write to scratch.
+    on_train_begin = callback.on_train_begin
+
+    def begin(logs=None):
+      on_train_begin(logs)
+      state = _tf_internal.set_keras_backup_dir(callback, os.path.join(scratch, "backup"))
+      restore.append(lambda: _tf_internal.restore_keras_backup_dir(callback, state))
+      del callback.on_train_begin  # Back to the class's method.
+
+    callback.on_train_begin = begin
+
+  on_train_end = callback.on_train_end
+
+  def end(logs=None):
+    try:
+      on_train_end(logs)
+    finally:
+      for undo in restore:
+        undo()
+      del callback.on_train_end
+      _redirected.pop(callback, None)
+      cleanup()
+
+  callback.on_train_end = end

@@ -1,0 +1,469 @@
+"""Keras training recipes under diststrat equal one device (issue 19, SPEC section 11).
+
+Each recipe trains the same model from the same weights on the same global batches with
+no strategy (the reference) and in a strategy's scope, with compiled `fit`, and compares
+the weights (and the optimizer's state) afterwards. The batches of 10 examples split
+3/3/2/2 over four towers, so every step is also a ragged one.
+"""
+
+import contextlib
+import os
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import diststrat as ds
+from diststrat.cluster import LocalCluster
+from keras_cases import STRATEGIES, assert_all_close, assert_copies_equal
+
+FEATURES = 5
+BATCH = 10
+
+
+def _data(n=60, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+  y = (x @ rng.normal(size=(FEATURES, 2)) + 0.1 * rng.normal(size=(n, 2))).astype(np.float32)
+  return x, y
+
+
+@contextlib.contextmanager
+def _policy(name):
+  if name is None:
+    yield
+    return
+  keras.mixed_precision.set_global_policy(name)
+  try:
+    yield
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def _model(optimizer, weights=None, policy=None, **compile_kwargs):
+  keras.utils.set_random_seed(3)
+  with _policy(policy):
+    model = keras.Sequential([
+        keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(2, dtype="float32")])
+    if weights is not None:
+      model.set_weights(weights)
+    model.compile(optimizer=optimizer(), loss="mse", **compile_kwargs)
+  return model
+
+
+def _fit(strategy, optimizer, policy=None, epochs=2, data=None, **compile_kwargs):
+  """Weights after `fit` (and the model), from the same initial weights."""
+  x, y = data if data is not None else _data()
+  weights = _model(optimizer).get_weights()
+  scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+  with scope:
+    model = _model(optimizer, weights, policy, **compile_kwargs)
+  history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+  return model, history.history
+
+
+RECIPES = {
+    "clipnorm": lambda: keras.optimizers.SGD(0.1, clipnorm=0.05),
+    "global_clipnorm": lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.05),
+    "clipvalue": lambda: keras.optimizers.SGD(0.1, clipvalue=0.01),
+    "accumulation": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=3),
+    "ema": lambda: keras.optimizers.SGD(0.1, momentum=0.5, use_ema=True,
+                                        ema_momentum=0.9, ema_overwrite_frequency=4),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+
+
+def _compare(model, history, reference, ref_history):
+  assert_all_close(model.get_weights(), reference.get_weights())
+  assert_all_close([v.numpy() for v in model.optimizer.variables],
+                   [v.numpy() for v in reference.optimizer.variables])
+  assert_copies_equal(model.weights + list(model.optimizer.variables))
+  np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored4", "ps4"])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_optimizer_recipe_equals_one_device(recipe, strategy_name):
+  """Clipping, gradient accumulation and EMA act on the gradient summed over the towers.
+
+  On main: clipping is applied per tower (weights 1e-2 off), accumulation and EMA fail
+  with ContextError (a merge_call inside a tf.cond branch / update() in a tower).
+  """
+  reference, ref_history = _fit(None, RECIPES[recipe])
+  model, history = _fit(STRATEGIES[strategy_name](), RECIPES[recipe])
+  _compare(model, history, reference, ref_history)
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored1", "mirrored4", "ps4"])
+def test_mixed_float16_equals_one_device(strategy_name):
+  """`mixed_float16` (Keras wraps the optimizer in a LossScaleOptimizer) in compiled fit.
+
+  On main: ContextError, LossScaleOptimizer's tf.cond calls merge_call in a tower.
+  """
+  optimizer = lambda: keras.optimizers.Adam(0.01)
+  reference, ref_history = _fit(None, optimizer, policy="mixed_float16")
+  assert isinstance(reference.optimizer, keras.optimizers.LossScaleOptimizer)
+  model, history = _fit(STRATEGIES[strategy_name](), optimizer, policy="mixed_float16")
+  assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+  # float16 activations: the towers' partial sums round differently from one device's
+  # (measured: 2.8e-5 at most after 12 steps).
+  assert_all_close(model.get_weights(), reference.get_weights(), rtol=1e-3, atol=2e-4)
+  assert float(model.optimizer.dynamic_scale.numpy()) == float(
+      reference.optimizer.dynamic_scale.numpy())
+  assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+  assert_copies_equal(model.weights + list(model.optimizer.variables))
+  np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=2e-3)
+
+
+def test_mixed_float16_skips_a_step_with_non_finite_gradients_in_one_tower():
+  """A gradient that overflows in one tower makes the summed one non-finite: the step is
+  skipped and the loss scale halves on every copy, as on one device."""
+  x, y = _data(20)
+  y[7] = 1e4  # In tower 2 (rows 6-7 of the first batch): its float16 gradients overflow.
+  optimizer = lambda: keras.optimizers.SGD(0.01)
+  reference, _ = _fit(None, optimizer, policy="mixed_float16", epochs=1, data=(x, y))
+  model, _ = _fit(STRATEGIES["mirrored4"](), optimizer, policy="mixed_float16", epochs=1,
+                  data=(x, y))
+  scale = float(model.optimizer.dynamic_scale.numpy())
+  assert scale == float(reference.optimizer.dynamic_scale.numpy())
+  assert scale < 32768.0  # The initial scale: at least one step was skipped.
+  assert_copies_equal(model.weights + list(model.optimizer.variables))
+  assert_all_close(model.get_weights(), reference.get_weights(), rtol=2e-3, atol=2e-3)
+
+
+# --- metrics stay per worker process in a parameter-server cluster (SPEC section 9) ---
+
+
+def _wait_for(path, timeout=90.0):
+  deadline = time.monotonic() + timeout
+  while not os.path.exists(path):
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"{path} did not appear within {timeout} s")
+    time.sleep(0.02)
+
+
+def _worker_data(task_id):
+  return _data(30, seed=10 + task_id)
+
+
+class _PauseAfterFirstBatch(keras.callbacks.Callback):
+  """Worker 0's evaluate: after its first batch, lets worker 1 run a whole evaluate."""
+
+  def __init__(self, sync_dir):
+    super().__init__()
+    self._first = os.path.join(sync_dir, "w0_first_batch")
+    self._done = os.path.join(sync_dir, "w1_done")
+
+  def on_test_batch_end(self, batch, logs=None):
+    if batch == 0:
+      open(self._first, "w").close()
+      _wait_for(self._done)
+
+
+def _evaluate_per_worker_fn(strategy, weights, sync_dir):
+  """Each worker evaluates its own data with the same (shared) weights.
+
+  Worker 1 runs its whole evaluate (which resets the metrics, then updates them) between
+  worker 0's first and second batches: if the metric variables were shared on the PS,
+  worker 0's logs would include worker 1's reset and data.
+  """
+  x, y = _worker_data(strategy.task_id)
+  with strategy.scope():
+    model = _model(lambda: keras.optimizers.SGD(0.1), weights, metrics=["mae"])
+  if strategy.task_id == 0:
+    logs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True,
+                          callbacks=[_PauseAfterFirstBatch(sync_dir)])
+  else:
+    _wait_for(os.path.join(sync_dir, "w0_first_batch"))
+    logs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    open(os.path.join(sync_dir, "w1_done"), "w").close()
+  metric_devices = sorted({v.value.device for m in model.metrics for v in m.variables})
+  return {k: float(v) for k, v in logs.items()}, metric_devices
+
+
+def test_keras_metrics_stay_per_worker_in_a_ps_cluster(tmp_path):
+  """On main: the metric variables are shared on the PS, worker 1's reset and batches land
+  in worker 0's logs."""
+  weights = _model(lambda: keras.optimizers.SGD(0.1)).get_weights()
+  with LocalCluster(num_ps=1, num_workers=2, start_timeout=60, result_timeout=150) as cluster:
+    results = cluster.run_on_workers(_evaluate_per_worker_fn, weights=weights,
+                                     sync_dir=str(tmp_path))
+  reference = _model(lambda: keras.optimizers.SGD(0.1), weights, metrics=["mae"])
+  for task_id, (logs, devices) in enumerate(results):
+    x, y = _worker_data(task_id)
+    expected = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    for key in ("loss", "mae"):
+      np.testing.assert_allclose(logs[key], expected[key], rtol=1e-5, err_msg=key)
+    assert devices and all(f"/job:worker/replica:0/task:{task_id}/" in d for d in devices), \
+        devices
+
+
+# --- smaller recipes (issue 19 item 6) -----------------------------------------------
+
+
+def _two_output_model(weights=None):
+  keras.utils.set_random_seed(5)
+  inputs = keras.Input((FEATURES,))
+  hidden = keras.layers.Dense(6, activation="tanh")(inputs)
+  model = keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(hidden),
+                               "b": keras.layers.Dense(2, name="b")(hidden)})
+  if weights is not None:
+    model.set_weights(weights)
+  model.compile(optimizer=keras.optimizers.SGD(0.05), loss={"a": "mse", "b": "mae"},
+                loss_weights={"a": 1.0, "b": 0.5})
+  return model
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored4", "ps4"])
+@pytest.mark.parametrize("batch_size", [10, 3])
+def test_per_output_losses_on_ragged_batches_equal_one_device(strategy_name, batch_size):
+  """Batches of 10 split 3/3/2/2 (the last, 6, splits 2/2/1/1); batches of 3 leave a tower
+  without an example on every step: nothing is nan, every number is one device's.
+
+  On main: the per-output losses ("a_loss", "b_loss") weigh each tower as a whole batch
+  (Keras passes the static batch size, unknown in a traced step), 2.6e-3 off.
+  """
+  x, _ = _data(26)
+  rng = np.random.default_rng(4)
+  y = {"a": rng.normal(size=(26, 1)).astype(np.float32),
+       "b": rng.normal(size=(26, 2)).astype(np.float32)}
+  weights = _two_output_model().get_weights()
+  reference = _two_output_model(weights)
+  ref_history = reference.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False,
+                              verbose=0).history
+  ref_eval = reference.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+  with STRATEGIES[strategy_name]().scope():
+    model = _two_output_model(weights)
+  history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0).history
+  evaluated = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+  assert sorted(history) == sorted(ref_history) and "a_loss" in history
+  for key in ref_history:
+    assert np.all(np.isfinite(history[key])), (key, history[key])
+    np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+  for key in ref_eval:
+    np.testing.assert_allclose(evaluated[key], ref_eval[key], rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+  assert_all_close(model.get_weights(), reference.get_weights())
+
+
+def _generator_numbers(strategy):
+  """Numbers drawn in cross-tower context from a generator made in the scope."""
+  scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+  with scope:
+    generator = tf.random.Generator.from_seed(7)
+    eager = generator.normal([3])
+    traced = tf.function(lambda: generator.uniform([2]))()
+    skipped = generator.skip(5)
+  return generator, [eager.numpy(), traced.numpy(), np.asarray(skipped)]
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored4", "ps4"])
+def test_random_generator_created_in_the_scope(strategy_name):
+  """On main: TypeError: 'NoneType' object is not subscriptable (the adapter's
+  update(..., group=True) returned no value)."""
+  strategy = STRATEGIES[strategy_name]()
+  _, expected = _generator_numbers(None)
+  generator, got = _generator_numbers(strategy)
+  assert_all_close(got, expected)
+  with strategy.scope():
+    per_tower = strategy.call_for_each_tower(lambda: generator.normal([2]))
+  draws = [np.asarray(v) for v in strategy.unwrap(per_tower)]
+  assert all(np.all(np.isfinite(d)) for d in draws)
+  assert not np.array_equal(draws[0], draws[1])  # One stream per tower.
+  assert_copies_equal([generator.state])
+
+
+def _small_model():
+  model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(2)])
+  return model
+
+
+def test_jit_compile_raises_naming_the_fix_on_several_devices_and_trains_on_one():
+  """On main: an XLA InvalidArgumentError about a resource on another device."""
+  x, y = _data(20)
+  with STRATEGIES["mirrored4"]().scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+  with pytest.raises(ValueError, match=r"compiled with jit_compile=True, but under "
+                     r"MirroredStrategy.* its step runs on 4 devices.*Compile it with "
+                     r"jit_compile=False under this strategy"):
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+  # The default ('auto') is False under a strategy: it trains.
+  with STRATEGIES["mirrored4"]().scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse")
+  assert model.jit_compile is False
+  model.fit(x, y, batch_size=BATCH, verbose=0)
+  # One device: XLA compiles the step, equal to one device without a strategy.
+  weights = _small_model().get_weights()
+  reference = _small_model()
+  reference.set_weights(weights)
+  reference.compile(optimizer="sgd", loss="mse", jit_compile=True)
+  reference.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
+  with STRATEGIES["mirrored1"]().scope():
+    model = _small_model()
+    model.set_weights(weights)
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+  model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
+  assert_all_close(model.get_weights(), reference.get_weights())
+
+
+def test_fit_inside_another_strategys_scope_names_the_models_strategy():
+  """On main: "Cannot enter the scope of Mirrored(4) inside ... Mirrored(2)", a scope the
+  user never entered."""
+  x, y = _data(20)
+  four, two = STRATEGIES["mirrored4"](), STRATEGIES["mirrored2"]()
+  with four.scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse")
+  with two.scope():
+    with pytest.raises(ds.errors.ContextError) as info:
+      model.fit(x, y, batch_size=BATCH, verbose=0)
+  message = str(info.value)
+  assert message.startswith(f"A Keras model (or optimizer, or other tf.distribute-aware "
+                            f"code) created in the scope of {four!r} was used inside the "
+                            f"cross-tower context of {two!r}")
+  assert "Call fit/evaluate/predict outside any strategy's scope" in message
+  assert f"to train under {two!r}, build and compile the model inside that strategy's " \
+         "scope" in message
+  model.fit(x, y, batch_size=BATCH, verbose=0)  # Outside any scope: its own strategy.
+
+
+def test_mixing_with_tf_distribute_explains_the_fix():
+  """On main: TensorFlow's bare "Mixing different tf.distribute.Strategy objects" (no
+  fix), and a diststrat scope inside a tf.distribute scope was entered silently."""
+  strategy = STRATEGIES["mirrored2"]()
+  tf_strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+  with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy") as info:
+    with strategy.scope():
+      with tf_strategy.scope():
+        pass
+  notes = " ".join(getattr(info.value, "__notes__", []))
+  assert "a tf.distribute strategy was used inside the scope of diststrat's " \
+         f"{strategy!r}" in notes and "Enter the tf.distribute strategy's scope outside " \
+         "any diststrat scope" in notes
+  with tf_strategy.scope():
+    with pytest.raises(ds.errors.ContextError, match=r"Cannot enter the scope of "
+                       r"diststrat's MirroredStrategy.* inside the scope of the "
+                       r"tf.distribute strategy .*Leave the tf.distribute scope first"):
+      with strategy.scope():
+        pass
+  # A model made under diststrat keeps training under it inside a tf.distribute scope.
+  x, y = _data(20)
+  with strategy.scope():
+    model = _small_model()
+    model.compile(optimizer="sgd", loss="mse")
+  with tf_strategy.scope():
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+# --- file callbacks and custom outputs across worker processes (SPEC section 12) -------
+
+
+class _TowerIdModel(keras.Sequential):
+  """Adds the mean tower id to its training logs (a custom step output, not a metric)."""
+
+  def train_step(self, data):
+    logs = super().train_step(data)
+    logs["tower_id"] = tf.cast(ds.get_tower_context().tower_id, tf.float32)
+    return logs
+
+
+class _RecordPaths(keras.callbacks.Callback):
+  """Records, at the end of every epoch, where the file callbacks write."""
+
+  def __init__(self, callbacks):
+    super().__init__()
+    self.watched = callbacks
+    self.seen = []
+
+  def on_epoch_end(self, epoch, logs=None):
+    self.seen.append(_paths(self.watched))
+
+
+class _DirectoryBoard(keras.callbacks.TensorBoard):
+  """A TensorBoard callback that creates its log directory and writes a file there
+  instead of summaries (the tensorboard package, which writes them, is not installed
+  here): what diststrat changes is the directory."""
+
+  def on_train_begin(self, logs=None):
+    os.makedirs(self.log_dir, exist_ok=True)
+
+  def on_epoch_end(self, epoch, logs=None):
+    with open(os.path.join(self.log_dir, f"epoch_{epoch}"), "w") as f:
+      f.write(repr(logs))
+
+  def on_train_end(self, logs=None):
+    pass
+
+  def on_train_batch_end(self, batch, logs=None):
+    pass
+
+  def on_test_begin(self, logs=None):
+    pass
+
+  def on_test_end(self, logs=None):
+    pass
+
+
+def _paths(callbacks):
+  checkpoint, csv_logger, backup, board = callbacks
+  return [checkpoint.filepath, csv_logger.filename, backup.backup_dir, board.log_dir]
+
+
+def _file_callbacks_fn(strategy, out_dir):
+  x, y = _data(40)
+  with strategy.scope():
+    keras.utils.set_random_seed(3)
+    model = _TowerIdModel([keras.Input((FEATURES,)), keras.layers.Dense(2)], name="towers")
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+  callbacks = [  # The same paths in every worker.
+      keras.callbacks.ModelCheckpoint(os.path.join(out_dir, "ckpt.weights.h5"),
+                                      save_weights_only=True),
+      keras.callbacks.CSVLogger(os.path.join(out_dir, "log.csv")),
+      keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup")),
+      _DirectoryBoard(os.path.join(out_dir, "tb"))]
+  recorder = _RecordPaths(callbacks)
+  history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                      callbacks=callbacks + [recorder])
+  during = recorder.seen
+  scratch = sorted({os.path.dirname(p) for seen in during for p in seen
+                    if not p.startswith(out_dir)})
+  return {"during": during, "after": _paths(callbacks), "scratch": scratch,
+          "scratch_left": [s for s in scratch if os.path.exists(s)],
+          "tower_id": history.history["tower_id"], "loss": history.history["loss"],
+          "towers": strategy.num_towers}
+
+
+def test_file_callbacks_write_once_across_worker_processes(tmp_path):
+  """The chief writes to the user's paths, worker 1 to a scratch directory that is gone
+  after fit; a custom step output is averaged over every tower of every worker.
+
+  On main: both workers write the user's paths (a race: h5py cannot lock the file), and
+  each worker logs the mean tower id of its own towers.
+  """
+  out_dir = str(tmp_path)
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, start_timeout=60,
+                    result_timeout=150) as cluster:
+    chief, other = cluster.run_on_workers(_file_callbacks_fn, strategy="multi_worker",
+                                          out_dir=out_dir)
+  user_paths = [os.path.join(out_dir, name) for name in
+                ("ckpt.weights.h5", "log.csv", "backup", "tb")]
+  assert chief["during"] == [user_paths, user_paths] and chief["scratch"] == []
+  assert other["after"] == user_paths  # Given back after fit.
+  assert len(other["scratch"]) == 4, other["scratch"]
+  for seen in other["during"]:
+    assert not any(p.startswith(out_dir) for p in seen), seen
+  assert other["scratch_left"] == []
+  # The mean tower id over every tower of both workers (each has half of them).
+  mean_id = (chief["towers"] - 1) / 2
+  assert chief["towers"] >= 4 and chief["tower_id"] == other["tower_id"] == [mean_id] * 2
+  np.testing.assert_allclose(chief["loss"], other["loss"], rtol=1e-6)
+  # One writer: the chief's files, and nothing else, at the user's paths.
+  assert sorted(os.listdir(out_dir)) == ["ckpt.weights.h5", "log.csv", "tb"]  # Backup removed.
+  with open(os.path.join(out_dir, "log.csv")) as f:
+    assert len(f.read().strip().splitlines()) == 3  # A header and two epochs.

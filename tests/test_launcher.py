@@ -1,0 +1,617 @@
+"""The launcher, `diststrat-run` (docs/launch.md), and the cluster a process reads from its
+environment (TF_CONFIG, Slurm).
+
+Jobs are real: `python -m diststrat.run` starts real processes on loopback. Every process
+a job starts carries a marker in its environment (`_MARKER`); after each job, no process
+with the job's marker may be left (`_assert_none_left`, which reads /proc/*/environ).
+The references are computed here with numpy.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from diststrat import run as launcher
+from diststrat.cluster import cluster_from_environment
+from diststrat.cluster import cluster_from_slurm
+from diststrat._cluster_runtime import _environment
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+_MARKER = "DISTSTRAT_LAUNCHER_TEST_JOB"
+JOB_TIMEOUT = 150
+STEPS, BATCH, FEATURES, LR = 6, 8, 3, 0.1
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _processes_with(marker):
+  """Process ids whose environment holds `_MARKER=marker` (zombies have none)."""
+  needle = f"{_MARKER}={marker}".encode()
+  found = []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit() or int(entry) == os.getpid():
+      continue
+    try:
+      with open(f"/proc/{entry}/environ", "rb") as f:
+        if needle in f.read().split(b"\0"):
+          found.append(int(entry))
+    except OSError:
+      continue
+  return found
+
+
+def _assert_none_left(marker, wait=10.0):
+  deadline = time.monotonic() + wait  # Killed processes take a moment to disappear.
+  while _processes_with(marker) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  left = _processes_with(marker)
+  assert not left, f"processes of the job left behind: {left}"
+
+
+def _env(marker):
+  env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
+  env[_MARKER] = marker
+  for name in list(env):
+    if name.startswith("SLURM_") or name == "TF_CONFIG":
+      del env[name]
+  return env
+
+
+def _launch(args, cwd, timeout=JOB_TIMEOUT):
+  """Runs `diststrat-run args` to its end; returns the CompletedProcess (text)."""
+  marker = uuid.uuid4().hex
+  try:
+    return subprocess.run([sys.executable, "-m", "diststrat.run", *args], cwd=cwd,
+                          env=_env(marker), capture_output=True, text=True,
+                          timeout=timeout, check=False)
+  finally:
+    _assert_none_left(marker)
+
+
+def _write(directory, name, text):
+  path = pathlib.Path(directory) / name
+  path.write_text(textwrap.dedent(text))
+  return path
+
+
+def _free_port_base(count):
+  """A port p with p..p+count-1 all free on every interface right now."""
+  for _ in range(200):
+    with socket.socket() as probe:
+      probe.bind(("", 0))
+      base = probe.getsockname()[1]
+    if base + count >= 65536:
+      continue
+    sockets = []
+    try:
+      for port in range(base, base + count):
+        sock = socket.socket()
+        sockets.append(sock)
+        sock.bind(("", port))
+      return base
+    except OSError:
+      continue
+    finally:
+      for sock in sockets:
+        sock.close()
+  raise AssertionError("no free range of ports found")
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(STEPS, BATCH, FEATURES)).astype(np.float32)
+  y = rng.normal(size=(STEPS, BATCH, 1)).astype(np.float32)
+  return x, y
+
+
+def _reference_weights():
+  """Gradient descent on the mean squared error of each global batch, in numpy."""
+  x, y = _data()
+  w = np.zeros((FEATURES, 1), np.float64)
+  for i in range(STEPS):
+    w -= LR * 2.0 / BATCH * x[i].T @ (x[i] @ w - y[i])
+  return w
+
+
+# A training program as users write it: MultiWorkerMirroredStrategy() with no arguments,
+# a checkpoint per step written by the chief, resumed from the latest one. Worker 1 kills
+# itself at step KILL_AT of the job's first attempt (KILL_AT < 0: never).
+_TRAIN_MWMS = f"""
+import os, signal, sys
+import numpy as np
+import diststrat as ds
+import tensorflow as tf
+
+out, kill_at = sys.argv[1], int(sys.argv[2])
+strategy = ds.MultiWorkerMirroredStrategy(collective_timeout=60)
+rng = np.random.default_rng(0)
+x = rng.normal(size=({STEPS}, {BATCH}, {FEATURES})).astype(np.float32)
+y = rng.normal(size=({STEPS}, {BATCH}, 1)).astype(np.float32)
+with strategy.scope():
+  w = tf.Variable(np.zeros(({FEATURES}, 1), np.float32), name="w")
+  opt = ds.optimizers.GradientDescent({LR})
+checkpoint = tf.train.Checkpoint(w=w)
+directory = os.path.join(out, "ckpt" if strategy.is_chief else f"scratch{{strategy.task_id}}")
+manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=2)
+latest = tf.train.latest_checkpoint(os.path.join(out, "ckpt"))
+start = 0
+if latest:
+  checkpoint.restore(latest).assert_existing_objects_matched()
+  start = int(latest.rsplit("-", 1)[1])
+print(f"towers {{strategy.num_towers}} start {{start}} attempt "
+      f"{{os.environ['DISTSTRAT_RESTART_COUNT']}}", flush=True)
+batches = iter(strategy.distribute_dataset(
+    lambda: tf.data.Dataset.from_tensor_slices((x[start:], y[start:]))))
+
+@tf.function
+def step(bx, by):
+  def tower(xi, yi):
+    opt.minimize(lambda: tf.reduce_mean(tf.square(xi @ w - yi)), var_list=[w])
+  strategy.call_for_each_tower(tower, bx, by)
+
+for i in range(start, {STEPS}):
+  if (i == kill_at and strategy.task_id == 1
+      and os.environ["DISTSTRAT_RESTART_COUNT"] == "0"):
+    os.kill(os.getpid(), signal.SIGKILL)
+  step(*next(batches))
+  if strategy.is_chief:
+    manager.save(checkpoint_number=i + 1)
+if strategy.is_chief:
+  np.save(os.path.join(out, "w.npy"), w.numpy())
+"""
+
+# ParameterServerStrategy() with no arguments: both workers add to one shared counter,
+# then wait (bounded) until both are done.
+_COUNT_PS = """
+import sys, time
+import diststrat as ds
+import tensorflow as tf
+
+n, workers, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+strategy = ds.ParameterServerStrategy(step_timeout=60)
+with strategy.scope():
+  counter = tf.Variable(0, name="counter")
+for _ in range(n):
+  counter.assign_add(1)
+deadline = time.monotonic() + 60
+while int(counter.numpy()) < n * workers and time.monotonic() < deadline:
+  time.sleep(0.1)
+with open(f"{out}/count{strategy.task_id}.txt", "w") as f:
+  f.write(f"{int(counter.numpy())} {strategy.task_type} {strategy.task_id} "
+          f"{len(strategy.cluster_spec['ps'])}")
+"""
+
+# Prints "ready" and sleeps: for signals sent to the launcher.
+_SLEEPER = """
+import os, time
+print("ready", os.getpid(), flush=True)
+time.sleep(600)
+"""
+
+
+# --- the cluster spec (pure functions) ---------------------------------------------------
+
+
+def test_cluster_spec_of_several_hosts_is_the_same_on_every_host():
+  spec = launcher.build_cluster_spec(["h1", "h2"], num_ps=1, num_workers=2, port_base=5000)
+  assert spec == {"ps": ["h1:5000", "h2:5000"],
+                  "worker": ["h1:5001", "h1:5002", "h2:5001", "h2:5002"]}
+  assert launcher.tasks_of_host(1, num_ps=1, num_workers=2) == [
+      ("ps", 1), ("worker", 2), ("worker", 3)]
+  assert launcher.build_cluster_spec(["a"], 0, 2, 7000) == {"worker": ["a:7000", "a:7001"]}
+  config = json.loads(launcher.tf_config(spec, "worker", 3))
+  assert config == {"cluster": spec, "task": {"type": "worker", "index": 3}}
+
+
+@pytest.mark.parametrize("hosts, port_base, match", [
+    (["a", "a"], 5000, "a host can be named once only"),
+    ([], 5000, "at least one host"),
+    (["a"], 65535, "must leave 3 ports below 65536"),
+])
+def test_cluster_spec_rejects(hosts, port_base, match):
+  with pytest.raises(ValueError, match=match):
+    launcher.build_cluster_spec(hosts, 1, 2, port_base)
+
+
+# --- Slurm (pure functions) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("gpu5", ["gpu5"]),
+    ("a[1-2],b,c[09-10]", ["a1", "a2", "b", "c09", "c10"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+    ("127.0.0.1", ["127.0.0.1"]),
+])
+def test_slurm_host_lists_expand(text, hosts):
+  assert _environment.expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("text, match", [("node[01-03", "Unbalanced brackets"),
+                                         ("node[3-1]", "ranges look like"),
+                                         ("node[a-b]", "ranges look like")])
+def test_slurm_host_lists_that_do_not_parse(text, match):
+  with pytest.raises(ValueError, match=match):
+    _environment.expand_hostlist(text)
+
+
+def test_slurm_tasks_per_node_expand():
+  assert _environment.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+  assert _environment.expand_tasks_per_node("4") == [4]
+  with pytest.raises(ValueError, match=r"look like '2\(x3\),1'. Received: '2x3'"):
+    _environment.expand_tasks_per_node("2x3")
+
+
+def _slurm(rank, nodes="node[01-02]", per_node="2(x2)", tasks="4", **extra):
+  return {"SLURM_PROCID": str(rank), "SLURM_STEP_NODELIST": nodes,
+          "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_STEP_NUM_TASKS": tasks, **extra}
+
+
+def test_slurm_variables_give_the_cluster():
+  spec = {"ps": ["node01:8888"], "worker": ["node01:8889", "node02:8888", "node02:8889"]}
+  configs = [cluster_from_slurm(_slurm(rank), num_ps=1) for rank in range(4)]
+  assert [(c.task_type, c.task_id) for c in configs] == [
+      ("ps", 0), ("worker", 0), ("worker", 1), ("worker", 2)]
+  assert all(c.cluster_spec == spec and c.source == "Slurm" for c in configs)
+  # Workers only, another port base, from the variables; the job's node list as fallback.
+  environ = {"SLURM_PROCID": "2", "SLURM_JOB_NODELIST": "n[7-8]",
+             "SLURM_TASKS_PER_NODE": "2,1", "SLURM_NTASKS": "3",
+             "DISTSTRAT_SLURM_PORT_BASE": "9000"}
+  config = cluster_from_slurm(environ)
+  assert config.cluster_spec == {"worker": ["n7:9000", "n7:9001", "n8:9000"]}
+  assert (config.task_type, config.task_id) == ("worker", 2)
+  assert json.loads(config.tf_config())["task"] == {"type": "worker", "index": 2}
+
+
+def test_slurm_without_a_step_of_several_tasks_is_no_cluster():
+  assert cluster_from_slurm({}) is None
+  assert cluster_from_slurm(_slurm(0, nodes="n1", per_node="1", tasks="1")) is None
+  assert cluster_from_slurm(_slurm(0, DISTSTRAT_SLURM="0")) is None
+
+
+@pytest.mark.parametrize("environ, match", [
+    (_slurm(0, per_node="2"), r"names 2 nodes .* but tasks for 1"),
+    (_slurm(0, tasks="5"), "add up to 4, not to the step's 5 tasks"),
+    (_slurm(4), "SLURM_PROCID must be below the step's 4 tasks"),
+    (_slurm(0, DISTSTRAT_SLURM_NUM_PS="4"), "can have 0 to 3 parameter servers"),
+    (_slurm("x"), "SLURM_PROCID must be a non-negative integer"),
+])
+def test_slurm_variables_that_disagree(environ, match):
+  with pytest.raises(ValueError, match=match):
+    cluster_from_slurm(environ)
+
+
+def test_tf_config_comes_before_slurm():
+  tf_config = json.dumps({"cluster": {"worker": ["a:1", "b:2"]},
+                          "task": {"type": "worker", "index": 1}})
+  config = cluster_from_environment({"TF_CONFIG": tf_config, **_slurm(0)})
+  assert (config.source, config.task_id, config.cluster_spec) == (
+      "TF_CONFIG", 1, {"worker": ["a:1", "b:2"]})
+  assert cluster_from_environment(_slurm(3)).source == "Slurm"
+  assert cluster_from_environment({}) is None
+  with pytest.raises(ValueError, match="TF_CONFIG must be JSON such as"):
+    cluster_from_environment({"TF_CONFIG": "{\"cluster\": 1}"})
+
+
+_PS_CLUSTER = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+
+
+@pytest.mark.parametrize("cluster, task, match", [
+    (_PS_CLUSTER, {"type": "ps", "index": 0},
+     r"This process is parameter server task 0 by the TF_CONFIG environment variable.*"
+     r"Run diststrat.cluster.serve\(\) in PS tasks"),
+    ({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, {"type": "worker", "index": 0},
+     r"ParameterServerStrategy\(\) read its cluster from the TF_CONFIG environment "
+     r"variable, which names no parameter server.*launch with diststrat-run --ps 1"),
+    ({**_PS_CLUSTER, "worker": ["127.0.0.1:2"]}, {"type": "worker", "index": 3},
+     r"task_id must be an index into cluster_spec\['worker'\], from 0 to 0"),
+])
+def test_parameter_server_strategy_rejects_a_tf_config_it_cannot_use(
+    monkeypatch, cluster, task, match):
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": task}))
+  with pytest.raises(ValueError, match=match):
+    ds.ParameterServerStrategy()
+
+
+def test_multi_worker_strategy_rejects_a_tf_config_with_parameter_servers(monkeypatch):
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": _PS_CLUSTER,
+                                              "task": {"type": "worker", "index": 0}}))
+  with pytest.raises(ValueError, match="runs on worker tasks only") as info:
+    ds.MultiWorkerMirroredStrategy()
+  assert "read from the TF_CONFIG environment variable" in str(info.value.__notes__)
+  monkeypatch.setenv("TF_CONFIG", "not json")
+  with pytest.raises(ValueError, match="TF_CONFIG must be JSON such as"):
+    ds.MultiWorkerMirroredStrategy()
+
+
+def test_serve_needs_a_cluster(monkeypatch):
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+  for name in [n for n in os.environ if n.startswith("SLURM_")]:
+    monkeypatch.delenv(name)
+  with pytest.raises(ValueError, match=r"serve\(\) needs a cluster: set TF_CONFIG"):
+    ds.cluster.serve()
+  with pytest.raises(ValueError, match="task_type and task_id must name one"):
+    ds.cluster.serve({"ps": ["127.0.0.1:1"]}, "ps", 1)
+
+
+def _run_tasks(script, environs, cwd, timeout=JOB_TIMEOUT):
+  """Starts one process of `script` per environment at once (as srun does); waits."""
+  marker = uuid.uuid4().hex
+  processes = []
+  try:
+    for extra in environs:
+      processes.append(subprocess.Popen(
+          [sys.executable, str(script)], cwd=cwd, env={**_env(marker), **extra},
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for process in processes:
+      outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    return [p.returncode for p in processes], outputs
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        process.kill()
+        process.wait(10)
+    _assert_none_left(marker)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_a_slurm_step_runs_parameter_server_strategy_and_serve(tmp_path):
+  """Three processes with Slurm's variables: rank 0 serves, ranks 1 and 2 count."""
+  script = _write(tmp_path, "slurm_ps.py", textwrap.dedent("""
+      import diststrat as ds
+      config = ds.cluster.cluster_from_environment()
+      if config.task_type == "ps":
+        ds.cluster.serve()
+      """) + textwrap.dedent(_COUNT_PS))
+  base = _free_port_base(3)
+  common = {"SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_TASKS_PER_NODE": "3",
+            "SLURM_STEP_NUM_TASKS": "3", "DISTSTRAT_SLURM_NUM_PS": "1",
+            "DISTSTRAT_SLURM_PORT_BASE": str(base)}
+  marker = uuid.uuid4().hex
+  processes = []
+  try:
+    for rank in range(3):  # All at once, as srun starts them: the workers wait for the PS.
+      processes.append(subprocess.Popen(
+          [sys.executable, str(script), "20", "2", str(tmp_path)], cwd=tmp_path,
+          env={**_env(marker), **common, "SLURM_PROCID": str(rank)},
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    ps, workers = processes[0], processes[1:]
+    outputs = [w.communicate(timeout=JOB_TIMEOUT)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], outputs
+    assert ps.poll() is None  # serve() never returns.
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        process.kill()
+      process.communicate(timeout=10)
+    _assert_none_left(marker)
+  counts = sorted((tmp_path / f"count{i}.txt").read_text() for i in range(2))
+  assert counts == ["40 worker 0 1", "40 worker 1 1"]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_a_slurm_step_runs_multi_worker_mirrored_strategy(tmp_path):
+  script = _write(tmp_path, "slurm_mw.py", """
+      import diststrat as ds
+      import tensorflow as tf
+      s = ds.MultiWorkerMirroredStrategy(collective_timeout=60)
+      total = s.reduce("sum", s.call_for_each_tower(
+          lambda: tf.constant(float(ds.get_tower_context().tower_id + 1))))
+      print("RESULT", s.task_type, s.task_id, s.num_workers, s.cluster_spec["worker"],
+            float(s.unwrap(total)[0]), flush=True)
+      """)
+  base = _free_port_base(2)
+  common = {"SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_TASKS_PER_NODE": "2",
+            "SLURM_NTASKS": "2", "DISTSTRAT_SLURM_PORT_BASE": str(base)}
+  codes, outputs = _run_tasks(script, [{**common, "SLURM_PROCID": str(r)} for r in (0, 1)],
+                              tmp_path)
+  assert codes == [0, 0], outputs
+  addresses = [f"'127.0.0.1:{base}', '127.0.0.1:{base + 1}'"]
+  for rank, output in enumerate(outputs):
+    line = [l for l in output.splitlines() if l.startswith("RESULT")][0]
+    # One tower per worker (towers 1 and 2): 3.0 everywhere.
+    assert line == f"RESULT worker {rank} 2 [{addresses[0]}] 3.0", output
+
+
+# --- jobs ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_multi_worker_job_trains_like_one_process(tmp_path):
+  script = _write(tmp_path, "train.py", _TRAIN_MWMS)
+  proc = _launch(["--workers", "2", "--cpus-per-worker", "2", str(script), str(tmp_path),
+                  "-1"], tmp_path)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  # Each task's output, prefixed with its name; 2 workers x 2 logical CPUs.
+  assert "[worker:0] towers 4 start 0 attempt 0" in proc.stdout
+  assert "[worker:1] towers 4 start 0 attempt 0" in proc.stdout
+  np.testing.assert_allclose(np.load(tmp_path / "w.npy"), _reference_weights(),
+                             rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_parameter_server_job_shares_variables(tmp_path):
+  script = _write(tmp_path, "count.py", _COUNT_PS)
+  proc = _launch(["--ps", "1", "--workers", "2", str(script), "50", "2", str(tmp_path)],
+                 tmp_path)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  counts = sorted((tmp_path / f"count{i}.txt").read_text() for i in range(2))
+  assert counts == ["100 worker 0 1", "100 worker 1 1"]
+  assert "[ps:0]" in proc.stdout + proc.stderr  # The PS task's output is streamed too.
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 30)
+def test_a_killed_worker_restarts_the_job_which_resumes_from_its_checkpoint(tmp_path):
+  script = _write(tmp_path, "train.py", _TRAIN_MWMS)
+  proc = _launch(["--workers", "2", "--max-restarts", "1", str(script), str(tmp_path), "3"],
+                 tmp_path, timeout=2 * JOB_TIMEOUT)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "Task worker:1 was killed by signal SIGKILL" in proc.stderr
+  assert "restarting the job (1 of --max-restarts 1)" in proc.stderr
+  resumed = [line for line in proc.stdout.splitlines()
+             if line.startswith("[worker:0]") and "attempt 1" in line]
+  assert resumed and " start 0 " not in resumed[0], proc.stdout  # From a checkpoint.
+  np.testing.assert_allclose(np.load(tmp_path / "w.npy"), _reference_weights(),
+                             rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_a_job_on_hosts_runs_and_says_it_is_not_isolated(tmp_path):
+  script = _write(tmp_path, "hello.py", """
+      import json, os, sys
+      config = json.loads(os.environ["TF_CONFIG"])
+      print("task", config["task"]["type"], config["task"]["index"], config["cluster"])
+      # Run as `python hello.py a b` would be; the launcher imported nothing into it.
+      print("argv", sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)),
+            __name__, [m for m in sys.modules if m.startswith(("diststrat", "tensorflow"))])
+      """)
+  base = _free_port_base(2)
+  proc = _launch(["--workers", "2", "--hosts", "127.0.0.1", "--task-index", "0",
+                  "--port-base", str(base), str(script), "a", "b"], tmp_path)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  spec = {"worker": [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]}
+  for i in range(2):
+    assert f"[worker:{i}] task worker {i} {spec}" in proc.stdout
+    assert f"[worker:{i}] argv [{str(script)!r}, 'a', 'b'] True __main__ []" in proc.stdout
+  assert "a job across machines (--hosts) cannot run in a private network" in proc.stderr
+
+
+# --- bad launches: fast, named, nothing left ------------------------------------------
+
+
+# In this process (`launcher.run`, the console script's body): no TensorFlow import to wait
+# for, and nothing is started.
+
+
+def test_a_script_that_does_not_exist(tmp_path, monkeypatch, capfd):
+  monkeypatch.chdir(tmp_path)
+  assert launcher.run(["--workers", "2", "missing.py"]) == 2
+  err = capfd.readouterr().err
+  assert "The script 'missing.py' does not exist" in err and "no task was started" in err
+
+
+def test_zero_workers_is_a_usage_error(tmp_path, capfd):
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  with pytest.raises(SystemExit) as info:
+    launcher.run(["--workers", "0", str(script)])
+  assert info.value.code == 2
+  assert "--workers: must be an integer >= 1. Received: '0'" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--task-index", "1"], "--task-index applies to a job across machines"),
+    (["--hosts", "a,b", "--task-index", "2"], "must be from 0 to 1. Received: --task-index 2"),
+    (["--hosts", "a,a", "--task-index", "0"], "a host can be named once only"),
+])
+def test_bad_host_options(tmp_path, capfd, args, match):
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  assert launcher.run(["--workers", "1", *args, str(script)]) == 2
+  assert match in capfd.readouterr().err
+
+
+def test_a_taken_port(tmp_path, capfd):
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    status = launcher.run(["--workers", "2", "--no-isolate", "--port-base", str(port - 1),
+                           str(script)])
+  out, err = capfd.readouterr()
+  assert status == 1, err
+  assert (f"The port of task worker:1 (127.0.0.1:{port}) is taken by another process"
+          in err)
+  assert "--no-isolate: the TensorFlow servers of the job's tasks listen on every" in err
+  assert "[worker:" not in out + err  # Nothing started.
+
+
+@pytest.mark.timeout(120)
+def test_a_task_that_exits_at_once_stops_the_job(tmp_path):
+  script = _write(tmp_path, "fail.py", """
+      import json, os, sys, time
+      if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+        sys.exit(7)
+      time.sleep(600)
+      """)
+  start = time.monotonic()
+  proc = _launch(["--ps", "1", "--workers", "2", str(script)], tmp_path, timeout=100)
+  assert proc.returncode == 7, proc.stderr[-4000:]
+  assert "Task worker:1 exited with code 7" in proc.stderr
+  assert "The other tasks were stopped." in proc.stderr
+  assert time.monotonic() - start < 100  # Not the worker's 600 s sleep.
+
+
+@pytest.mark.timeout(90)
+def test_a_taken_port(tmp_path):
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    proc = _launch(["--workers", "2", "--no-isolate", "--port-base", str(port - 1),
+                    str(script)], tmp_path, timeout=60)
+  assert proc.returncode == 1, proc.stderr[-4000:]
+  assert (f"The port of task worker:1 (127.0.0.1:{port}) is taken by another process"
+          in proc.stderr)
+  assert "[worker:" not in proc.stdout  # Nothing started.
+
+
+# --- signals to the launcher --------------------------------------------------------------
+
+
+def _start_and_wait_ready(args, cwd, marker, count):
+  """Starts the launcher; returns it once `count` tasks printed "ready"."""
+  launcher_process = subprocess.Popen(
+      [sys.executable, "-m", "diststrat.run", *args], cwd=cwd, env=_env(marker),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  ready = 0
+  deadline = time.monotonic() + JOB_TIMEOUT
+  lines = []
+  while ready < count and time.monotonic() < deadline:
+    line = launcher_process.stdout.readline()
+    if not line:
+      break
+    lines.append(line)
+    ready += "ready" in line
+  assert ready == count, lines
+  return launcher_process
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.parametrize("sig, ps", [(signal.SIGINT, 0), (signal.SIGTERM, 0),
+                                     (signal.SIGKILL, 1)])
+def test_a_signalled_launcher_leaves_nothing_behind(tmp_path, sig, ps):
+  script = _write(tmp_path, "sleep.py", _SLEEPER)
+  marker = uuid.uuid4().hex
+  process = _start_and_wait_ready(["--ps", str(ps), "--workers", "2", str(script)],
+                                  tmp_path, marker, 2)
+  try:
+    assert len(_processes_with(marker)) >= 3 + ps  # Launcher, workers (PS, namespace).
+    process.send_signal(sig)
+    _, err = process.communicate(timeout=60)
+    if sig == signal.SIGKILL:
+      assert process.returncode == -signal.SIGKILL
+    else:
+      assert process.returncode == 128 + sig
+      assert f"stopped by {signal.Signals(sig).name}; every task was stopped" in err
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.wait(10)
+  _assert_none_left(marker, wait=15)
