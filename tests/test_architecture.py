@@ -301,3 +301,16 @@ def test_every_boundary_name_has_a_test():
               if not any(f"_{snake(name)}_" in f"{t}_" for t in tests)]
   assert not untested, ("tests/test_tf_internal.py needs a test named after each of: "
                         f"{untested}")
+
+
+def test_no_merge_conflict_markers_are_left():
+  root = pathlib.Path(__file__).resolve().parents[1]
+  marked = []
+  for pattern in ("*.py", "*.md", "*.toml", "*.cfg", "Makefile"):
+    for path in root.rglob(pattern):
+      if any(part.startswith(".") for part in path.relative_to(root).parts):
+        continue  # .venv, .git, .pytest_cache
+      for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if line.startswith(("<<<<<<< ", ">>>>>>> ")) or line == "=======":
+          marked.append(f"{path.relative_to(root)}:{number}")
+  assert not marked, marked
