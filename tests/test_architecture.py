@@ -56,16 +56,10 @@ LAYERS = [
     ("strategies", ["strategies._default", "strategies._mirrored",
                     "strategies._parameter_server", "strategies._multi_worker",
                     "strategies"]),
-<<<<<<< HEAD
-    ("integrations", ["_keras._variable_rules", "_keras._bridge", "_keras"]),
-    ("applications", ["cluster._isolation", "cluster._serve", "cluster._task",
-                      "cluster._local_cluster", "cluster", "cluster._child", "run",
-=======
     ("integrations", ["_keras._variable_rules", "_keras._file_callbacks", "_keras._bridge",
                       "_keras"]),
-    ("applications", ["cluster._isolation", "cluster._local_cluster", "cluster",
-                      "cluster._child",
->>>>>>> keras
+    ("applications", ["cluster._isolation", "cluster._serve", "cluster._task",
+                      "cluster._local_cluster", "cluster", "cluster._child", "run",
                       "pipeline._partition", "pipeline._cost", "pipeline._schedule",
                       "pipeline._gpipe", "pipeline", "values", ""]),
 ]
