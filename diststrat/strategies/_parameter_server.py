@@ -316,6 +316,10 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     from the cross-tower context or outside any strategy; `fn` is typically a
     `tf.function` that calls `call_for_each_tower`.
 
+    In cluster mode the step returns once the writes it sent to the PS tasks are done
+    (a `tf.function` returns before its remote writes ran): a step that returned has
+    applied its updates.
+
     In one process (no cluster_spec), it is `fn(*args, **kwargs)`.
 
     Example::
