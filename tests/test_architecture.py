@@ -314,3 +314,21 @@ def test_no_merge_conflict_markers_are_left():
         if line.startswith(("<<<<<<< ", ">>>>>>> ")) or line == "=======":
           marked.append(f"{path.relative_to(root)}:{number}")
   assert not marked, marked
+
+
+def test_no_file_cites_a_document_outside_the_repository():
+  """Code and docs cite what is in the repository (docs/, the code), not the planning
+  documents and tracker the maintainers work from."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  outside = re.compile(r"\bSPEC\b|TF_NOTES|\bissue \d+|\.\./shared/")
+  cited = []
+  for pattern in ("*.py", "*.md", "*.toml", "Makefile"):
+    for path in root.rglob(pattern):
+      if any(part.startswith(".") for part in path.relative_to(root).parts):
+        continue
+      if path.name == "test_architecture.py":
+        continue  # This test names what it looks for.
+      for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if outside.search(line):
+          cited.append(f"{path.relative_to(root)}:{number}: {line.strip()[:80]}")
+  assert not cited, "\n".join(cited)

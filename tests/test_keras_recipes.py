@@ -1,4 +1,4 @@
-"""Keras training recipes under diststrat equal one device (issue 19, SPEC section 11).
+"""Keras training recipes under diststrat equal one device (docs/keras.md).
 
 Each recipe trains the same model from the same weights on the same global batches with
 no strategy (the reference) and in a strategy's scope, with compiled `fit`, and compares
@@ -134,7 +134,7 @@ def test_mixed_float16_skips_a_step_with_non_finite_gradients_in_one_tower():
   assert_all_close(model.get_weights(), reference.get_weights(), rtol=2e-3, atol=2e-3)
 
 
-# --- metrics stay per worker process in a parameter-server cluster (SPEC section 9) ---
+# --- metrics stay per worker process in a parameter-server cluster --------------------
 
 
 def _wait_for(path, timeout=90.0):
@@ -201,7 +201,7 @@ def test_keras_metrics_stay_per_worker_in_a_ps_cluster(tmp_path):
         devices
 
 
-# --- smaller recipes (issue 19 item 6) -----------------------------------------------
+# --- smaller recipes -----------------------------------------------------------------
 
 
 def _two_output_model(weights=None):
@@ -361,7 +361,7 @@ def test_mixing_with_tf_distribute_explains_the_fix():
     model.fit(x, y, batch_size=BATCH, verbose=0)
 
 
-# --- file callbacks and custom outputs across worker processes (SPEC section 12) -------
+# --- file callbacks and custom outputs across worker processes ------------------------
 
 
 class _TowerIdModel(keras.Sequential):

@@ -1,4 +1,4 @@
-"""Faults of a PS task on the paths a user takes outside `run_step` (issue 18, SPEC §9).
+"""Faults of a PS task on the paths a user takes outside `run_step` (docs/parameter_server.md).
 
 Real processes on loopback, as in tests/test_cluster.py: a `LocalCluster` PS task is
 frozen (SIGSTOP), killed or restarted by this process while a worker process runs one of

@@ -429,7 +429,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     """A tower-local variable (ON_READ: Keras metrics) of this worker process, in cluster mode.
 
     Its state is this worker's, as under tf.distribute: shared on a PS task, another
-    worker's resets and updates would land in this worker's metrics (SPEC section 9).
+    worker's resets and updates would land in this worker's metrics (docs/parameter_server.md).
     It is a plain variable on this worker's first device, written by every tower (the
     towers' values add up, as a parameter-device variable's do in one process), never
     shared with the other workers, and saved by checkpoints as this worker's value.
