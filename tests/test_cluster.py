@@ -430,6 +430,17 @@ def _every_path_fn(strategy, sync_dir, ckpt_dir):
           "after_reconnect": float(direct_step())}
 
 
+def _slice_assign_then_read_fn(strategy):
+  """Slice assignments bypass the variable's acknowledged writes; a read must see them."""
+  with strategy.scope():
+    emb = tf.Variable(tf.zeros([6, 2]), name="emb")
+  stale = 0
+  for i in range(200):
+    emb[4:6].assign(tf.fill([2, 2], float(i)))
+    stale += int(emb.numpy()[5, 0] != float(i))
+  return stale
+
+
 def _boom_fn(strategy):
   if strategy.task_id == 1:
     raise KeyError("no such key in task 1")
@@ -481,6 +492,14 @@ def test_variables_live_on_ps_tasks_and_behave_as_tf_variables(tmp_path):
          "it. In cluster mode, create variables outside tf.function" in r["traced_error"]
   assert r["from_plain"] == [4.0, 5.0, 6.0]
   assert r["keras"] == ([ps0, ps1], [True, True])  # Keras 3 layers make shared variables too.
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_an_eager_read_sees_the_slice_assignment_before_it():
+  # The read runs in the watchdog's helper thread: without waiting for this process's
+  # pending remote ops first, 65 of 200 reads returned the old value.
+  with _cluster(num_ps=1) as cluster:
+    assert cluster.run_on_workers(_slice_assign_then_read_fn) == [0]
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -338,6 +338,9 @@ def _bounded_read(variable, method):
   read = _read_function(variable.device, local_device, variable.dtype)
 
   def call():
+    # Writes this process sent without waiting (a slice assignment, ops called on the
+    # handle) run first: this thread's read would otherwise race them to the PS.
+    _tf_internal.wait_for_pending_ops()
     with tf.device(local_device):  # Else, under a PS device scope, the value stays there.
       return read(variable.handle)
 
