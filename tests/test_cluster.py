@@ -24,6 +24,7 @@ from diststrat._cluster_runtime import _shared_variables
 from diststrat.cluster import LocalCluster
 from diststrat.errors import ClusterError
 import read_cache_cases as cases
+import sync_files
 
 TIMEOUT = 120  # Seconds, per cluster test.
 
@@ -37,20 +38,6 @@ def _cluster(num_ps=1, num_workers=1, **strategy_kwargs):
                       start_timeout=60, result_timeout=100)
 
 
-def _wait_for_file(path, timeout=60.0):
-  deadline = time.monotonic() + timeout
-  while not os.path.exists(path):
-    if time.monotonic() > deadline:
-      raise TimeoutError(f"{path} did not appear within {timeout} s")
-    time.sleep(0.02)
-  with open(path) as f:
-    return f.read()
-
-
-def _write(path, text=""):
-  with open(path + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
 
 
 def _progress_files(directory, task):
@@ -314,7 +301,7 @@ def _restartable_fn(strategy, steps, sync_dir):
     value, global_step = strategy.run_step(step)
     if first_loss is None:
       first_loss, first_step = float(value), int(global_step)
-    _write(os.path.join(sync_dir, f"progress_{task}_{os.getpid()}"), str(i + 1))
+    sync_files.write(os.path.join(sync_dir, f"progress_{task}_{os.getpid()}"), str(i + 1))
     time.sleep(0.01)
   return {"pid": os.getpid(), "first_loss": first_loss, "first_global_step": first_step,
           "last_loss": float(loss()), "last_global_step": int(global_step)}
@@ -337,8 +324,8 @@ def _through_ps_failure_fn(strategy, ckpt_dir, sync_dir, steps_before, steps_aft
     if (i + 1) % 10 == 0:
       manager.save()
   checkpoint_loss = None
-  _write(os.path.join(sync_dir, "ready"))
-  _wait_for_file(os.path.join(sync_dir, "fault"), timeout=wait_for_fault)
+  sync_files.write(os.path.join(sync_dir, "ready"))
+  sync_files.wait_for_file(os.path.join(sync_dir, "fault"), timeout=wait_for_fault)
   fault_time = time.time()
   error = None
   while time.time() - fault_time < 90:
@@ -348,8 +335,8 @@ def _through_ps_failure_fn(strategy, ckpt_dir, sync_dir, steps_before, steps_aft
       error = e
       break
   detected = time.time() - fault_time
-  _write(os.path.join(sync_dir, "need_restart"))
-  _wait_for_file(os.path.join(sync_dir, "restarted"), timeout=90)
+  sync_files.write(os.path.join(sync_dir, "need_restart"))
+  sync_files.wait_for_file(os.path.join(sync_dir, "restarted"), timeout=90)
   # Before reconnecting, the restarted task does not know this worker. (gRPC may first
   # refuse a few times while its channel backs off from the failed connects.)
   not_reconnected, start = None, time.time()
@@ -401,8 +388,8 @@ def _every_path_fn(strategy, sync_dir, ckpt_dir):
       "checkpoint save": lambda: checkpoint.save(os.path.join(ckpt_dir, "ckpt")),
   }
   assert float(direct_step()) == 11.0  # Works before the fault.
-  _write(os.path.join(sync_dir, "ready"))
-  _wait_for_file(os.path.join(sync_dir, "fault"), timeout=60)
+  sync_files.write(os.path.join(sync_dir, "ready"))
+  sync_files.wait_for_file(os.path.join(sync_dir, "fault"), timeout=60)
   outcomes = {}
   with strategy.scope():
     for name, path in paths.items():
@@ -413,8 +400,8 @@ def _every_path_fn(strategy, sync_dir, ckpt_dir):
       except Exception as e:  # pylint: disable=broad-except
         outcomes[name] = (type(e).__name__, getattr(e, "task", None), str(e),
                           time.monotonic() - start)
-  _write(os.path.join(sync_dir, "need_restart"))
-  _wait_for_file(os.path.join(sync_dir, "restarted"), timeout=60)
+  sync_files.write(os.path.join(sync_dir, "need_restart"))
+  sync_files.wait_for_file(os.path.join(sync_dir, "restarted"), timeout=60)
   before_reconnect, start = None, time.time()
   while time.time() - start < 30:  # gRPC may refuse a few times while it reconnects.
     try:
@@ -574,12 +561,12 @@ def test_restarted_worker_continues_from_current_values(tmp_path):
 
 def _fault_and_restart(cluster, sync_dir, task_type, task_id, sig):
   def run():
-    _wait_for_file(os.path.join(sync_dir, "ready"), timeout=90)
+    sync_files.wait_for_file(os.path.join(sync_dir, "ready"), timeout=90)
     cluster.kill(task_type, task_id, sig)
-    _write(os.path.join(sync_dir, "fault"), json.dumps(time.time()))
-    _wait_for_file(os.path.join(sync_dir, "need_restart"), timeout=90)
+    sync_files.write(os.path.join(sync_dir, "fault"), json.dumps(time.time()))
+    sync_files.wait_for_file(os.path.join(sync_dir, "need_restart"), timeout=90)
     cluster.restart(task_type, task_id)
-    _write(os.path.join(sync_dir, "restarted"))
+    sync_files.write(os.path.join(sync_dir, "restarted"))
   return _in_background(run)
 
 
@@ -659,7 +646,7 @@ def _nothing_fn(strategy):
 def _touch_variable_fn(strategy, sync_dir):
   with strategy.scope():
     v = tf.Variable(0.0)
-  _write(os.path.join(sync_dir, "ready"))
+  sync_files.write(os.path.join(sync_dir, "ready"))
   for _ in range(600):
     v.assign_add(1.0)
     time.sleep(0.05)
@@ -688,7 +675,7 @@ def test_connecting_to_a_dead_or_frozen_ps_fails_within_step_timeout():
 def test_a_crashed_ps_is_reported_with_its_signal(tmp_path):
   with _cluster(step_timeout=5.0) as cluster:
     def crash_ps():
-      _wait_for_file(os.path.join(tmp_path, "ready"))
+      sync_files.wait_for_file(os.path.join(tmp_path, "ready"))
       cluster.kill("ps", 0, signal.SIGSEGV)
     join = _in_background(crash_ps)
     with pytest.raises(ClusterError) as info:

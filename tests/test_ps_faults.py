@@ -29,27 +29,12 @@ import tensorflow as tf
 
 from diststrat.cluster import LocalCluster
 from diststrat.errors import ClusterError
+import sync_files
 
 pytestmark = pytest.mark.usefixtures("no_child_left")  # (conftest.py)
 PS0 = "/job:ps/replica:0/task:0"
 STEP_TIMEOUT = 3.0
 MARGIN = 10.0  # Seconds a bounded call may take beyond its bound on a loaded machine.
-
-
-def _write(path, text=""):
-  with open(path + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
-
-
-def _wait_for_file(path, timeout=90.0):
-  deadline = time.monotonic() + timeout
-  while not os.path.exists(path):
-    if time.monotonic() > deadline:
-      raise TimeoutError(f"{path} did not appear within {timeout} s")
-    time.sleep(0.02)
-  with open(path) as f:
-    return f.read()
 
 
 class _Control:
@@ -61,8 +46,8 @@ class _Control:
 
   def __call__(self, action):
     self._count += 1
-    _write(os.path.join(self._dir, f"request_{self._count}"), action)
-    _wait_for_file(os.path.join(self._dir, f"done_{self._count}"))
+    sync_files.write(os.path.join(self._dir, f"request_{self._count}"), action)
+    sync_files.wait_for_file(os.path.join(self._dir, f"done_{self._count}"), timeout=90)
 
 
 def _serve_faults(cluster, sync_dir):
@@ -91,11 +76,11 @@ def _serve_faults(cluster, sync_dir):
         elif action[0] == "restart":
           cluster.restart("ps", 0)
         elif action[0] == "kill_after":  # Answers at once, kills after the delay.
-          _write(done)
+          sync_files.write(done)
           time.sleep(float(action[1]))
           cluster.kill("ps", 0)
           continue
-        _write(done)
+        sync_files.write(done)
     except BaseException as e:  # pylint: disable=broad-except
       failures.append(e)
 
