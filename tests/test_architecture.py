@@ -58,7 +58,7 @@ LAYERS = [
                     "strategies"]),
     ("integrations", ["_keras._variable_rules", "_keras._file_callbacks", "_keras._bridge",
                       "_keras"]),
-    ("applications", ["cluster._isolation", "cluster._serve", "cluster._task",
+    ("applications", ["cluster._forkserver", "cluster._isolation", "cluster._serve", "cluster._task",
                       "cluster._local_cluster", "cluster", "cluster._child", "run",
                       "pipeline._partition", "pipeline._cost", "pipeline._schedule",
                       "pipeline._gpipe", "pipeline", "values", ""]),

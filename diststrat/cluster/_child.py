@@ -1,6 +1,7 @@
 """What runs in a `LocalCluster` child process: a PS server, or one worker's function.
 
-The parent starts `python -c "from diststrat.cluster import _child; _child.main()" FD`
+The parent forks it from the cluster's fork server (`_forkserver`) as
+`python -c "from diststrat.cluster import _child; _child.main()" FD` would start it,
 where FD is its end of a socket pair, and sends one job (a dict) over it:
 
 - {"kind": "ps", ...}: start a `tf.distribute.Server` for the task, warm it up (see
@@ -10,9 +11,9 @@ where FD is its end of a socket pair, and sends one job (a dict) over it:
   or `MultiWorkerMirroredStrategy`) for the task, run
   `fn(strategy, **kwargs)`, answer ("ok", pickled result) or ("error", ...), and exit.
 
-Every child exits when its parent dies (it watches its parent process id), so no
-process outlives the cluster, and ends with `os._exit` so that a step thread still
-blocked in TensorFlow cannot hold the exit up.
+Every child dies with the fork server, and the fork server with the cluster's process
+(`_forkserver`), so no process outlives the cluster. A child ends with `os._exit` so
+that a step thread still blocked in TensorFlow cannot hold the exit up.
 
 A worker job with "cpus" (`LocalCluster(cpus_per_worker=N)`) splits the process's CPU
 into N logical devices before anything else can initialize TensorFlow, so tests and
@@ -24,8 +25,6 @@ import os
 import pickle
 import runpy
 import sys
-import threading
-import time
 import traceback
 import types
 from multiprocessing import connection
@@ -37,16 +36,6 @@ from diststrat.strategies import ParameterServerStrategy
 
 _STRATEGIES = {"parameter_server": ParameterServerStrategy,
                "multi_worker": MultiWorkerMirroredStrategy}
-
-_PARENT_POLL = 0.5
-
-
-def _exit_when_orphaned(parent_pid):
-  while True:
-    time.sleep(_PARENT_POLL)
-    if os.getppid() != parent_pid:
-      os._exit(3)
-
 
 def _load_main(main_path):
   """Loads the parent's main script as `__mp_main__` (as multiprocessing does).
@@ -109,8 +98,6 @@ def main():
   faulthandler.enable()  # A crash (SIGSEGV, SIGABRT) leaves a Python trace on stderr.
   conn = connection.Connection(int(sys.argv[1]))
   job = conn.recv()
-  threading.Thread(target=_exit_when_orphaned, args=(job["parent_pid"],), daemon=True,
-                   name="diststrat-orphan-watch").start()
   sys.path[:] = job["sys_path"]
   code = 0
   try:
