@@ -438,8 +438,10 @@ def _unpicklable_result_fn(strategy):
   return lambda: strategy
 
 
-def _sleep_fn(strategy, seconds):
+def _sleep_fn(strategy, seconds, sync_dir=None):
   if strategy.task_id == 1:
+    if sync_dir:
+      sync_files.write(os.path.join(sync_dir, "sleeping"))
     time.sleep(seconds)
   return "slept"
 
@@ -687,19 +689,17 @@ def test_a_crashed_ps_is_reported_with_its_signal(tmp_path):
   assert info.value.task == PS0
 
 
-# Its own waits add up to about 80 s (a 45 s result_timeout, a worker that returns late),
-# plus three cluster start-ups: 120 s was too tight on a loaded machine (took 120+ s).
 @pytest.mark.timeout(2 * TIMEOUT)
-def test_local_cluster_errors_and_cleanup():
+def test_local_cluster_errors_and_cleanup(tmp_path):
   with pytest.raises(ValueError, match="num_ps must be a non-negative integer. Received: "
                                        "num_ps=-1"):
     LocalCluster(num_ps=-1)
   with pytest.raises(ValueError, match="num_workers must be a positive integer. Received: "
                                        "num_workers=0"):
     LocalCluster(num_workers=0)
-  # result_timeout includes each worker process's start (TensorFlow's import: up to
-  # ~15 s on a loaded 2-core machine), so it leaves room for that.
-  cluster = LocalCluster(num_workers=2, result_timeout=45)
+  # result_timeout counts from the workers' start (a fork: no TensorFlow import), so a
+  # small one leaves room for the quick calls below and fires soon on the slow one.
+  cluster = LocalCluster(num_workers=2, result_timeout=10)
   with pytest.raises(RuntimeError, match="is not running: use it as `with LocalCluster"):
     cluster.cluster_spec  # pylint: disable=pointless-statement
   with pytest.raises(ZeroDivisionError):
@@ -729,7 +729,7 @@ def test_local_cluster_errors_and_cleanup():
                  for note in info.value.__notes__)
 
       def kill_worker_1():
-        time.sleep(6)
+        sync_files.wait_for_file(str(tmp_path / "sleeping"))
         with pytest.raises(RuntimeError, match="run_on_workers\\(\\) is already running"):
           cluster.run_on_workers(_boom_fn)
         cluster.kill("worker", 1)
@@ -738,11 +738,11 @@ def test_local_cluster_errors_and_cleanup():
       with pytest.raises(ClusterError, match="Worker task /job:worker/replica:0/task:1 was "
                                              r"killed by signal SIGKILL \(exit status -9\) before "
                                              "returning") as info:
-        cluster.run_on_workers(_sleep_fn, seconds=30)
+        cluster.run_on_workers(_sleep_fn, seconds=30, sync_dir=str(tmp_path))
       join()
       assert info.value.task == "/job:worker/replica:0/task:1"
       with pytest.raises(ClusterError, match=r"Worker task\(s\) /job:worker/replica:0/task:1 "
-                                             r"returned no result within result_timeout=45 s"):
+                                             r"returned no result within result_timeout=10 s"):
         cluster.run_on_workers(_sleep_fn, seconds=120)
       1 / 0  # pylint: disable=pointless-statement
   assert not os.path.exists(f"/proc/{ps_pid}")  # Stopped although the body raised.

@@ -1,7 +1,10 @@
 """Every Python block of README.md and docs/ runs, so a page that drifts fails CI.
 
 Each page runs in a fresh Python process (four logical CPU devices, as in the tests), in
-a scratch directory, its blocks in order in one namespace, as a reader would paste them:
+a scratch directory, its blocks in order in one namespace, as a reader would paste them.
+The processes are forks of one fork server (diststrat/cluster/_forkserver.py) that has
+imported TensorFlow, Keras and diststrat, so each page does not pay TensorFlow's import;
+each is still a new process that has run nothing else, where `python -c` would run it.
 
 - a block of plain code runs as it is;
 - a block of `>>>` examples runs as a doctest (ELLIPSIS and NORMALIZE_WHITESPACE), so
@@ -22,12 +25,13 @@ invisible on the rendered page, supplies it:
 A page with `<!-- test-page-setup ... -->` runs that code before its first block.
 """
 
+import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+from diststrat.cluster import _forkserver
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
@@ -110,19 +114,38 @@ def _pages_with_code():
   return [p for p in PAGES if _BLOCK.search(p.read_text())]
 
 
+def _environment():
+  env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+  env.update({k: v for k, v in os.environ.items()
+              if k in ("HOME", "LANG", "LC_ALL", "TMPDIR", "TF_CPP_MIN_LOG_LEVEL")})
+  return env
+
+
+@pytest.fixture(scope="module")
+def python():
+  """Starts fresh Python processes as `python -c` would, without TensorFlow's import."""
+  server = _forkserver.ForkServer(["tensorflow", "keras", "numpy", "diststrat"],
+                                  env=_environment()).start(timeout=120)
+  yield server
+  server.close()
+
+
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("page", _pages_with_code(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_runs(page, tmp_path):
+def test_page_runs(page, tmp_path, python):
   for folder in ("tests", "examples"):  # Pages refer to these from the repository root.
     (tmp_path / folder).symlink_to(ROOT / folder)
-  env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-  env.update({k: v for k, v in __import__("os").environ.items()
-              if k in ("HOME", "LANG", "LC_ALL", "TMPDIR")})
-  proc = subprocess.run([sys.executable, "-c", _script(page)], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=TIMEOUT - 30, check=False)
-  assert proc.returncode == 0, (
+  out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+  with open(out, "w") as o, open(err, "w") as e:
+    process = python.spawn(_script(page), env=_environment(), cwd=str(tmp_path),
+                           fds={1: o.fileno(), 2: e.fileno()})
+  try:
+    returncode = process.wait(TIMEOUT - 30)
+  finally:
+    process.kill()
+  assert returncode == 0, (
       f"{page.relative_to(ROOT)} does not run as written (the last block started is the "
-      f"last '---' line):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+      f"last '---' line):\n{out.read_text()[-4000:]}\n{err.read_text()[-4000:]}")
 
 
 def test_every_page_with_python_is_run():

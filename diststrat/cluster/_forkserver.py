@@ -36,6 +36,7 @@ import builtins
 import ctypes
 import fcntl
 import importlib
+import importlib.machinery
 import os
 import signal
 import subprocess
@@ -310,8 +311,9 @@ def _run_child(conn, code, argv, env, cwd, fds):
     numpy = sys.modules.get("numpy")
     if numpy is not None:
       numpy.random.seed()  # A fresh process draws its own seed.
-    main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = builtins
+    main = types.ModuleType("__main__")  # As `python -c` makes it:
+    main.__dict__.update(__builtins__=builtins, __annotations__={},
+                         __loader__=importlib.machinery.BuiltinImporter)
     sys.modules["__main__"] = main
     compiled = compile(code, "<string>", "exec")
   except BaseException:  # pylint: disable=broad-except
