@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: install test demo bench clean
+.PHONY: install test lint demo bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ install: $(STAMP)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# pyflakes and bugbear (ruff) over the code, the tests, benchmarks and examples; the
+# package's types (mypy). Both are configured in pyproject.toml.
+lint: install
+	$(PY) -m ruff check diststrat tests benchmarks examples
+	$(PY) -m mypy diststrat
 
 # Trains a digits classifier on 4 towers, then on one device; e.g. DEMO_ARGS="--towers=2".
 # TensorFlow prints start-up notices when diststrat imports it, before the demo's code runs:

@@ -121,7 +121,7 @@ def build_none(spec, devices):
   def step(x, y):
     with tf.GradientTape() as tape:
       loss = loss_fn(spec, variables, x, y, spec["batch"])
-    for v, g in zip(variables, tape.gradient(loss, variables)):
+    for v, g in zip(variables, tape.gradient(loss, variables), strict=True):
       v.assign_sub(LR * g)
     return loss
 
@@ -204,8 +204,8 @@ def build_tf_distribute(spec, devices, ops_name):
 
   def apply(strategy, grads):
     reduced = strategy.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.SUM, [(g, v) for g, v in zip(grads, variables)])
-    for v, g in zip(variables, reduced):
+        tf.distribute.ReduceOp.SUM, [(g, v) for g, v in zip(grads, variables, strict=True)])
+    for v, g in zip(variables, reduced, strict=True):
       strategy.extended.update(v, lambda var, gc: var.assign_sub(LR * gc), args=(g,))
 
   def replica_fn(batch):
@@ -347,7 +347,7 @@ def run_batch_reduce(devices, sizes_mib, rounds):
       # Both libraries capture their values by closure: passing them as arguments would
       # time Python's argument binding of 200 tensors, not the reduction.
       entries.append({"label": label, "library": "diststrat",
-                      "fn": _closure_reduce(lambda ops=ops: ops.batch_reduce(
+                      "fn": _closure_reduce(lambda ops=ops, values=values: ops.batch_reduce(
                           "sum", [(v, None) for v in values]), lambda m: m.values)})
     default_tf = tf_strategy(devices, "default")
     dist = [default_tf.experimental_distribute_values_from_function(
@@ -355,7 +355,7 @@ def run_batch_reduce(devices, sizes_mib, rounds):
     for label, ops in theirs.items():
       ops = ops or default_tf.extended._cross_device_ops  # pylint: disable=protected-access
       entries.append({"label": label, "library": "tf.distribute",
-                      "fn": _closure_reduce(lambda ops=ops: ops.batch_reduce(
+                      "fn": _closure_reduce(lambda ops=ops, dist=dist: ops.batch_reduce(
                           tf.distribute.ReduceOp.SUM, [(v, v) for v in dist]),
                                             default_tf.experimental_local_results)})
     for entry in entries:

@@ -130,7 +130,7 @@ def _parse_words(name, words):
 def shards(num_towers):
   """The global batch split into `num_towers` parts, in global tower order."""
   x, y = _mlp.make_batch()
-  return list(zip(np.array_split(x, num_towers), np.array_split(y, num_towers)))
+  return list(zip(np.array_split(x, num_towers), np.array_split(y, num_towers), strict=True))
 
 
 def reduce_inputs(seed):
@@ -223,8 +223,8 @@ def build_tf_distribute(spec, task, cpus, options):
 
   def apply(s, grads):
     reduced = s.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM,
-                                         [(g, v) for g, v in zip(grads, variables)])
-    for v, g in zip(variables, reduced):
+                                         [(g, v) for g, v in zip(grads, variables, strict=True)])
+    for v, g in zip(variables, reduced, strict=True):
       s.extended.update(v, lambda var, gc: var.assign_sub(_mlp.LR * gc), args=(g,))
 
   def replica_fn(b):
@@ -445,7 +445,7 @@ def run_shape(cpus, names, rounds, seconds):
     for kind, key in (("train", "throughput"), ("reduce", "gb_per_s")):
       entry[key] = _mlp.summarize(c.blocks[kind])
       entry[key + "_ratio"] = _mlp.summarize(
-          [a / b for a, b in zip(c.blocks[kind], best[kind].blocks[kind])])
+          [a / b for a, b in zip(c.blocks[kind], best[kind].blocks[kind], strict=False)])
       entry[key + "_ratio_against"] = best[kind].name
     entries.append(entry)
   return entries

@@ -158,7 +158,7 @@ def make_step(forward, variables):
   def step(x):
     with tf.GradientTape() as tape:
       loss = tf.reduce_mean(tf.square(forward(x)))
-    for v, g in zip(variables, tape.gradient(loss, variables)):
+    for v, g in zip(variables, tape.gradient(loss, variables), strict=True):
       v.assign_sub(LR * g)
     return loss
   return step

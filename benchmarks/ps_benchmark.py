@@ -192,7 +192,7 @@ def coordinator(spec, ps_pid):
     def replica_fn(x, y):
       with tf.GradientTape() as tape:
         loss = _mlp.loss_fn(tf, variables, x, y)
-      for v, g in zip(variables, tape.gradient(loss, variables)):
+      for v, g in zip(variables, tape.gradient(loss, variables), strict=True):
         v.assign_sub(_mlp.LR * g)
       return loss
     x, y = next(iterator)
@@ -276,7 +276,7 @@ CONTENDERS = ("diststrat cached", "diststrat uncached", "tf.distribute")
 
 def _ratios(blocks, numerator, denominator):
   return _mlp.summarize([a["throughput"] / b["throughput"]
-                    for a, b in zip(blocks[numerator], blocks[denominator])])
+                    for a, b in zip(blocks[numerator], blocks[denominator], strict=False)])
 
 
 def _median_bytes(blocks, direction):

@@ -34,7 +34,6 @@ Usage:
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -111,8 +110,8 @@ def build_tf_distribute(tf, devices, values):
 
   def apply(strategy, grads):
     reduced = strategy.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.SUM, list(zip(grads, variables)))
-    for v, g in zip(variables, reduced):
+        tf.distribute.ReduceOp.SUM, list(zip(grads, variables, strict=True)))
+    for v, g in zip(variables, reduced, strict=True):
       strategy.extended.update(v, lambda var, gc: var.assign_sub(_mlp.LR * gc), args=(g,))
 
   def replica_fn(batch):
@@ -139,7 +138,7 @@ def build_none(tf, devices, values):
   def step(x, y):
     with tf.GradientTape() as tape:
       loss = _mlp.loss_fn(tf, variables, x, y)
-    for v, g in zip(variables, tape.gradient(loss, variables)):
+    for v, g in zip(variables, tape.gradient(loss, variables), strict=True):
       v.assign_sub(_mlp.LR * g)
 
   return step, (x, y), "-"

@@ -6,7 +6,8 @@ Example:
   1
 """
 
-from diststrat import _tf  # Checks TensorFlow first, with a message that says how to fix it.
+# Checks TensorFlow first, with a message that says how to fix it.
+from diststrat import _tf  # noqa: F401
 
 from diststrat import errors as errors
 from diststrat import cross_tower_ops as cross_tower_ops

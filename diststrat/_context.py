@@ -41,6 +41,9 @@ from diststrat import _devices
 from diststrat import _tf_internal
 from diststrat import errors
 
+if typing.TYPE_CHECKING:  # _strategy imports this module: no import at run time.
+  from diststrat._strategy import DistributionStrategy
+
 _state = threading.local()
 
 
@@ -56,7 +59,7 @@ def _stack():
   return stack
 
 
-_default = []  # The default strategy, once registered.
+_default: list[typing.Any] = []  # The default strategy, once registered.
 
 
 def set_default_strategy(strategy):
@@ -82,7 +85,7 @@ def current_mode():
   return stack[-1] if stack else _default_mode()
 
 
-_mode_listeners = []
+_mode_listeners: list[typing.Callable[[typing.Any, typing.Any], typing.Any]] = []
 
 
 def add_mode_listener(listener):
@@ -134,7 +137,7 @@ def cross_tower_mode(strategy):
   return enter_mode(strategy, None)
 
 
-def get_tower_context() -> "TowerContext | None":
+def get_tower_context() -> typing.Optional["TowerContext"]:
   """Returns the current `TowerContext`, or None in a cross-tower context.
 
   Outside of any strategy this is the default tower context (tower 0 of 1).
@@ -147,7 +150,7 @@ def get_tower_context() -> "TowerContext | None":
   return current_mode().tower_context
 
 
-def get_cross_tower_context() -> typing.Any:
+def get_cross_tower_context() -> typing.Optional["DistributionStrategy"]:
   """Returns the strategy whose cross-tower context this is, or None in a tower context.
 
   Example:
@@ -159,7 +162,7 @@ def get_cross_tower_context() -> typing.Any:
   return mode.strategy if mode.tower_context is None else None
 
 
-def get_distribution_strategy() -> typing.Any:
+def get_distribution_strategy() -> "DistributionStrategy":
   """Returns the strategy in effect: the one entered, else the default strategy.
 
   Example:
@@ -183,7 +186,7 @@ def is_default_strategy(strategy):
 # --- the device being updated inside update() / update_non_slot() ---
 
 
-def get_update_device() -> str | None:
+def get_update_device() -> typing.Optional[str]:
   """The device whose copy `update()`/`update_non_slot()` is writing, else None."""
   stack = getattr(_state, "update_devices", None)
   return stack[-1] if stack else None
@@ -227,7 +230,7 @@ class TowerContext:
     self._batch_share = batch_share
 
   @property
-  def distribution_strategy(self) -> typing.Any:
+  def distribution_strategy(self) -> "DistributionStrategy":
     return self._strategy
 
   @property
@@ -243,7 +246,7 @@ class TowerContext:
     return self._num_towers == 1
 
   @property
-  def batch_share(self):
+  def batch_share(self) -> typing.Any:
     """This tower's fraction of the global batch it was given a part of, or None.
 
     When `call_for_each_tower` gets a batch split by `distribute_dataset` (or by Keras's
@@ -267,7 +270,7 @@ class TowerContext:
     return self._batch_share
 
   @property
-  def step_cache(self):
+  def step_cache(self) -> typing.Any:
     """State the strategy keeps for the `call_for_each_tower` call this tower runs in,
     such as `ParameterServerStrategy`'s read cache; None when there is none."""
     return None

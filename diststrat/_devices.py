@@ -98,7 +98,8 @@ def device_type(device):
   return tf.DeviceSpec.from_string(device).device_type
 
 
-_known = frozenset()  # Canonical names of the logical devices TensorFlow listed last.
+# Canonical names of the logical devices TensorFlow listed last.
+_known: frozenset[str] = frozenset()
 _known_lock = threading.Lock()
 
 

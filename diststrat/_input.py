@@ -49,7 +49,7 @@ class PerDeviceDataset:
     self._dataset = dataset.prefetch(tf.data.AUTOTUNE) if prefetch else dataset
 
   @property
-  def dataset(self):
+  def dataset(self) -> tf.data.Dataset:
     """The underlying dataset of global batches."""
     return self._dataset
 
@@ -131,7 +131,8 @@ def split_batch(batch, devices, allow_empty=False, first_tower=0, num_towers=Non
       sizes = base + tf.cast(tf.range(n, dtype=tf.int64) < extra, tf.int64)
   parts = tf.split(batch, sizes, num=n, axis=0)[first_tower:first_tower + len(devices)]
   placed = {}
-  for device, part in zip(devices, parts):
+  # strict=False: as before; first_tower and num_towers are the caller's (public arguments).
+  for device, part in zip(devices, parts, strict=False):
     with tf.device(device):
       placed[device] = tf.identity(part)
   if n == len(devices):

@@ -188,7 +188,8 @@ class DistributionStrategy:
     same structure.
     """
     aggregation = canonical_aggregation(aggregation)
-    values, pairs = [], []
+    values: list[tuple[Any, int]] = []
+    pairs: list[tuple[Any, Any]] = []
     for i, pair in enumerate(value_destination_pairs):
       if not isinstance(pair, (tuple, list)) or len(pair) != 2:
         raise ValueError(

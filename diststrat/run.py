@@ -502,7 +502,7 @@ def run(argv: list | None = None) -> int:
   except LaunchError as e:
     _say(str(e))
     return e.status
-  stopping = []
+  stopping: list[int] = []
 
   def interrupt(signum, frame):
     del frame

@@ -43,7 +43,7 @@ def train_step(x, y):
   with tf.GradientTape() as tape:
     loss = loss_fn(y, pipe(x, training=True))
   optimizer.apply_gradients(zip(tape.gradient(loss, pipe.trainable_variables),
-                                pipe.trainable_variables))
+                                pipe.trainable_variables, strict=True))
   return loss
 
 

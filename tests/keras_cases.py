@@ -37,5 +37,5 @@ def assert_copies_equal(variables):
 
 def assert_all_close(got, expected, **tol):
   assert len(got) == len(expected)
-  for g, e in zip(got, expected):
+  for g, e in zip(got, expected, strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(e), **(tol or TOL))

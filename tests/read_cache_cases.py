@@ -97,8 +97,8 @@ def train(strategy, model_class, optimizer, mode):
 
   def step(x, y):
     strategy.call_for_each_tower(
-        tower, ds.values.PerDevice(dict(zip(strategy.worker_devices, tf.unstack(x)))),
-        ds.values.PerDevice(dict(zip(strategy.worker_devices, tf.unstack(y)))))
+        tower, ds.values.PerDevice(dict(zip(strategy.worker_devices, tf.unstack(x), strict=True))),
+        ds.values.PerDevice(dict(zip(strategy.worker_devices, tf.unstack(y), strict=True))))
 
   if mode == "function":
     step = tf.function(step)

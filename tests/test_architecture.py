@@ -20,7 +20,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-import diststrat  # pylint: disable=unused-import
+import diststrat  # noqa: F401  # pylint: disable=unused-import
 from diststrat import _tf_internal
 
 TESTS = pathlib.Path(__file__).resolve().parent
@@ -91,9 +91,20 @@ def _absolute(node, path):
   return ".".join(package + ([node.module] if node.module else []))
 
 
+def _is_type_checking_block(node):
+  """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:` (its body never runs)."""
+  if not isinstance(node, ast.If):
+    return False
+  test = node.test
+  return ((isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or
+          (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
 def _imports(path, text=None):
   """(module-level imports, function-level imports) of diststrat modules, by short name.
 
+  Imports in the body of an `if TYPE_CHECKING:` block are left out: they never run, and
+  only let annotations name a type of a higher layer (as strings).
   `text`, if given, stands for the file's contents.
   """
   tree = ast.parse(path.read_text() if text is None else text)
@@ -105,6 +116,10 @@ def _imports(path, text=None):
 
   def visit(node, depth):
     for child in ast.iter_child_nodes(node):
+      if _is_type_checking_block(child):
+        for branch in child.orelse:
+          visit(ast.Module(body=[branch], type_ignores=[]), depth)
+        continue
       child_depth = depth + isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
       if isinstance(child, ast.ImportFrom):
         module = _absolute(child, path)
@@ -174,6 +189,21 @@ def test_a_relative_upward_import_is_caught(line):
   upward, _ = _upward_imports("cross_tower_ops._packing", path,
                               path.read_text() + f"\n{line}\n")
   assert upward and all(u.startswith("strategies") for u in upward), upward
+
+
+def test_an_import_for_type_checking_only_is_not_counted():
+  """An upward import under `if TYPE_CHECKING:` never runs: annotations only."""
+  path = ROOT / "cross_tower_ops" / "_packing.py"
+  line = "from diststrat.strategies import _mirrored"
+  for block in ("import typing\nif typing.TYPE_CHECKING:\n  {}\n",
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n  {}\n"):
+    upward, _ = _upward_imports("cross_tower_ops._packing", path,
+                                path.read_text() + "\n" + block.format(line))
+    assert not upward, upward
+  upward, _ = _upward_imports(
+      "cross_tower_ops._packing", path,
+      path.read_text() + f"\nif TYPE_CHECKING:\n  pass\nelse:\n  {line}\n")
+  assert upward == ["strategies._mirrored"], upward
 
 
 # --- the TensorFlow boundary ---------------------------------------------------------------

@@ -141,7 +141,7 @@ def _variables_fn(strategy, ckpt_dir):
   shared_out, plain_out = exercise(a, emb), exercise(plain["a"], plain["emb"])
   results["matches_plain"] = [
       (x == y) if isinstance(x, str) else bool(np.allclose(x, y))
-      for x, y in zip(shared_out, plain_out)]
+      for x, y in zip(shared_out, plain_out, strict=True)]
 
   checkpoint = tf.train.Checkpoint(a=a, emb=emb, step=step)
   step.assign_add(7)
@@ -701,7 +701,7 @@ def test_local_cluster_errors_and_cleanup(tmp_path):
   # small one leaves room for the quick calls below and fires soon on the slow one.
   cluster = LocalCluster(num_workers=2, result_timeout=10)
   with pytest.raises(RuntimeError, match="is not running: use it as `with LocalCluster"):
-    cluster.cluster_spec  # pylint: disable=pointless-statement
+    _ = cluster.cluster_spec
   with pytest.raises(ZeroDivisionError):
     with cluster:
       ps_pid = cluster.pid("ps", 0)
@@ -744,7 +744,7 @@ def test_local_cluster_errors_and_cleanup(tmp_path):
       with pytest.raises(ClusterError, match=r"Worker task\(s\) /job:worker/replica:0/task:1 "
                                              r"returned no result within result_timeout=10 s"):
         cluster.run_on_workers(_sleep_fn, seconds=120)
-      1 / 0  # pylint: disable=pointless-statement
+      _ = 1 / 0
   assert not os.path.exists(f"/proc/{ps_pid}")  # Stopped although the body raised.
   with pytest.raises(RuntimeError, match="was started already"):
     cluster.start()
@@ -870,7 +870,7 @@ def test_reads_are_cached_per_step_with_the_same_training():
         key = (model, optimizer, mode)
         expected = cases.train(reference, model_class, optimizer, mode)[0]
         uncached, cached = (r["weights"][key + (c,)] for c in (False, True))
-        for a, b, c in zip(expected, uncached, cached):
+        for a, b, c in zip(expected, uncached, cached, strict=True):
           np.testing.assert_allclose(c, b, rtol=1e-6, atol=1e-7, err_msg=str(key))
           np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6, err_msg=str(key))
         # Cached: each of the 4 variables is read from the PS once per step (then the
@@ -888,6 +888,6 @@ def test_reads_are_cached_per_step_with_the_same_training():
         got = r["cases"][(case.__name__, mode, cached)]
         assert (r["case_fills"][(case.__name__, mode, cached)] > 0) == cached
         assert len(got) == len(expected)
-        for a, b in zip(got, expected):
+        for a, b in zip(got, expected, strict=True):
           np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
                                      err_msg=f"{case.__name__} {mode} cached={cached}")

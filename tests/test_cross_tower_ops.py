@@ -57,7 +57,7 @@ def _expected(arrays, aggregation):
 
 def _per_device(arrays, devices):
   index = {}
-  for array, device in zip(arrays, devices):
+  for array, device in zip(arrays, devices, strict=True):
     with tf.device(device):
       index[device] = tf.constant(array)
   return PerDevice(index)
@@ -73,7 +73,7 @@ def _run(mode, fn, *tensors):
 def _check_mirrored(result, devices, expected, mode):
   assert isinstance(result, Mirrored)
   assert result.devices == tuple(devices)
-  for device, component in zip(devices, result.values):
+  for device, component in zip(devices, result.values, strict=True):
     np.testing.assert_allclose(component.numpy(), expected, rtol=1e-5, atol=1e-5)
     assert component.dtype.as_numpy_dtype == expected.dtype
     if mode == "eager":
@@ -95,14 +95,15 @@ def _reduce_in_mode(ops, mode, aggregation, pairs):
 
   def fn(*tensors):
     rebuilt, position = [], 0
-    for (_, destinations), value_devices in zip(pairs, devices):
+    for (_, destinations), value_devices in zip(pairs, devices, strict=True):
       count = len(value_devices)
-      rebuilt.append((PerDevice(dict(zip(value_devices, tensors[position:position + count]))),
+      components = tensors[position:position + count]
+      rebuilt.append((PerDevice(dict(zip(value_devices, components, strict=True))),
                       destinations))
       position += count
     results = ops.batch_reduce(aggregation, rebuilt)
     for result in results:
-      for device, component in zip(result.devices, result.values):
+      for device, component in zip(result.devices, result.values, strict=True):
         placed = component.values.device if isinstance(component, tf.IndexedSlices) \
             else component.device
         assert not placed or _devices.canonicalize(placed) == device
@@ -110,8 +111,8 @@ def _reduce_in_mode(ops, mode, aggregation, pairs):
     return [list(r.values) for r in results]
 
   outputs = tf.function(fn, autograph=False)(*flat)
-  return [Mirrored(dict(zip(d, components)))
-          for d, components in zip(traced["devices"], outputs)]
+  return [Mirrored(dict(zip(d, components, strict=True)))
+          for d, components in zip(traced["devices"], outputs, strict=True)]
 
 
 # --- numbers --------------------------------------------------------------------------
@@ -128,7 +129,7 @@ def test_batch_reduce_matches_numpy(factory, n, aggregation, mode):
   pairs = [(_per_device(a, devices), None) for a in arrays]
   results = _reduce_in_mode(ops, mode, aggregation, pairs)
   assert len(results) == len(arrays)
-  for result, a in zip(results, arrays):
+  for result, a in zip(results, arrays, strict=True):
     _check_mirrored(result, devices, _expected(a, aggregation), mode)
 
 
@@ -142,8 +143,9 @@ def test_reduce_one_value(factory, n, mode):
     result = ops.reduce(tf.VariableAggregation.MEAN, value)
   else:
     components = tf.function(lambda *t: list(ops.reduce(
-        tf.VariableAggregation.MEAN, PerDevice(dict(zip(CPUS[:n], t)))).values))(*value.values)
-    result = Mirrored(dict(zip(CPUS[:n], components)))
+        tf.VariableAggregation.MEAN,
+        PerDevice(dict(zip(CPUS[:n], t, strict=True)))).values))(*value.values)
+    result = Mirrored(dict(zip(CPUS[:n], components, strict=True)))
   _check_mirrored(result, CPUS[:n], _expected(a, "mean"), mode)
 
 
@@ -185,7 +187,7 @@ def test_packing_concatenates_into_num_packs_chunks():
   graph = tf.function(fn).get_concrete_function(*flat).graph
   add_ns = [op for op in graph.get_operations() if op.type == "AddN"]
   assert sorted(op.outputs[0].shape.as_list() for op in add_ns) == [[6], [6]]
-  for component, a in zip(tf.function(fn)(*flat), arrays):
+  for component, a in zip(tf.function(fn)(*flat), arrays, strict=True):
     for c in component:
       np.testing.assert_allclose(c.numpy(), a[0] + a[1], rtol=1e-6)
 
@@ -194,7 +196,8 @@ def test_naive_spreads_tensors_round_robin():
   ops = AllReduceCrossTowerOps("naive")
 
   def fn(*tensors):
-    pairs = [(PerDevice(dict(zip(CPUS, tensors[4 * i:4 * i + 4]))), None) for i in range(6)]
+    pairs = [(PerDevice(dict(zip(CPUS, tensors[4 * i:4 * i + 4], strict=True))), None)
+             for i in range(6)]
     return [list(r.values) for r in ops.batch_reduce("sum", pairs)]
 
   flat = [tf.ones([2]) for _ in range(24)]
@@ -205,7 +208,8 @@ def test_naive_spreads_tensors_round_robin():
 
 def test_hierarchical_copy_adds_in_two_groups():
   ops = AllReduceCrossTowerOps("hierarchical_copy")
-  fn = tf.function(lambda *t: list(ops.reduce("sum", PerDevice(dict(zip(CPUS[:3], t)))).values))
+  fn = tf.function(lambda *t: list(
+      ops.reduce("sum", PerDevice(dict(zip(CPUS[:3], t, strict=True)))).values))
   graph = fn.get_concrete_function(*[tf.ones([2])] * 3).graph
   add_ns = [op for op in graph.get_operations() if op.type == "AddN"]
   assert [len(op.inputs) for op in add_ns] == [2]  # ceil(3/2) values; the lone one is its own sum
@@ -231,7 +235,8 @@ def test_gradients_flow_through_eager_reduce():
   with tf.GradientTape() as tape:
     for x in xs:
       tape.watch(x)
-    result = AllReduceCrossTowerOps("naive").reduce("mean", PerDevice(dict(zip(CPUS, xs))))
+    result = AllReduceCrossTowerOps("naive").reduce(
+        "mean", PerDevice(dict(zip(CPUS, xs, strict=True))))
     y = tf.reduce_sum(result.values[1] * tf.constant([1.0, 3.0]))
   for grad in tape.gradient(y, xs):
     np.testing.assert_allclose(grad.numpy(), [0.25, 0.75])
@@ -265,7 +270,7 @@ def test_indexed_slices_are_concatenated_not_densified(factory, n, aggregation, 
   devices = CPUS[:n]
   parts = _slices(n, seed=n)
   index = {}
-  for (values, indices), device in zip(parts, devices):
+  for (values, indices), device in zip(parts, devices, strict=True):
     with tf.device(device):
       index[device] = tf.IndexedSlices(tf.constant(values), tf.constant(indices),
                                        tf.constant([6, 3], tf.int64))
@@ -285,7 +290,7 @@ def test_indexed_slices_are_concatenated_not_densified(factory, n, aggregation, 
   all_indices = np.concatenate([i for _, i in parts])
   scale = n if aggregation == "mean" else 1
   assert len(components) == n
-  for device, component in zip(devices, components):
+  for device, component in zip(devices, components, strict=True):
     assert isinstance(component, tf.IndexedSlices)
     np.testing.assert_allclose(component.values.numpy(), all_values / scale, rtol=1e-6)
     np.testing.assert_array_equal(component.indices.numpy(), all_indices)
@@ -318,7 +323,7 @@ def test_indexed_slices_mixed_with_dense_tensor():
 def test_broadcast_indexed_slices():
   s = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 4]), tf.constant([5, 3]))
   result = AllReduceCrossTowerOps("naive").broadcast(s, CPUS[1:3])
-  for device, component in zip(CPUS[1:3], result.values):
+  for device, component in zip(CPUS[1:3], result.values, strict=True):
     assert isinstance(component, tf.IndexedSlices)
     assert component.values.device == device
     np.testing.assert_array_equal(component.indices.numpy(), [0, 4])
@@ -339,7 +344,7 @@ def test_destinations_other_than_the_values_devices_reduce_on_one_device(algorit
            (var, (CPUS[3],)), (CPUS[1:4], tuple(CPUS[1:4]))]
   pairs = [(value, destinations) for destinations, _ in cases]
   results = _reduce_in_mode(ops, mode, "sum", pairs)
-  for result, (_, devices) in zip(results, cases):
+  for result, (_, devices) in zip(results, cases, strict=True):
     _check_mirrored(result, devices, a[0] + a[1], mode)
 
   def fn(x, y):
@@ -412,7 +417,7 @@ def test_broadcast(factory, mode):
     x = tf.constant([[1, 2], [3, 4]], tf.int32)
   components = _run(mode, lambda t: list(ops.broadcast(t, CPUS[1:]).values), x)
   assert len(components) == 3
-  for device, component in zip(CPUS[1:], components):
+  for device, component in zip(CPUS[1:], components, strict=True):
     np.testing.assert_array_equal(component.numpy(), [[1, 2], [3, 4]])
     if mode == "eager":
       assert component.device == device
@@ -651,7 +656,7 @@ def test_docs_custom_algorithm(mode):
   arrays = [_values((4, 3), np.float32, 4, seed=i) for i in range(3)]
   pairs = [(_per_device(a, CPUS), None) for a in arrays]
   results = _reduce_in_mode(ops, mode, "mean", pairs)
-  for result, a in zip(results, arrays):
+  for result, a in zip(results, arrays, strict=True):
     assert result.devices == tuple(CPUS)
     for component in result.values:
       np.testing.assert_allclose(component.numpy(), np.mean(a, axis=0), rtol=0.05, atol=0.05)

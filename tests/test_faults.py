@@ -8,7 +8,7 @@ had in TensorFlow 2.21, so that a TensorFlow that rewords them fails here by nam
 import pytest
 import tensorflow as tf
 
-import diststrat  # pylint: disable=unused-import
+import diststrat  # noqa: F401  # pylint: disable=unused-import
 from diststrat._cluster_runtime import _faults
 
 

@@ -40,7 +40,7 @@ def test_even_and_uneven_batches_eager(n):
     parts = [p.numpy().tolist() for p in batch.values]
     sizes = [len(p) for p in parts]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
-    for part, device in zip(batch.values, CPUS[:n]):
+    for part, device in zip(batch.values, CPUS[:n], strict=True):
       assert part.device == device
     seen.extend(x for p in parts for x in p)
   assert seen == list(range(26))  # In order, nothing lost or repeated.

@@ -158,7 +158,7 @@ def _keras_custom_loop(strategy, make_optimizer, mode, batch=32):
     with tf.GradientTape() as tape:
       loss = loss_fn(yb, model(xb, training=True))
     grads = tape.gradient(loss, model.trainable_variables)
-    return optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
 
   returned = _run_steps(strategy, tower_fn, mode, (x, y), batch,
                         lambda: assert_copies_equal(model.weights + optimizer.variables))
@@ -337,7 +337,7 @@ def test_nested_reduce_batch_reduce_and_gather(name, mode):
                         "b": [np.float32(i * 10), (np.full([2, 2], i, np.float32),
                                                    Pair(np.float32(i), None))]})
                for i in range(towers)]
-  by_leaf = list(zip(*per_tower))
+  by_leaf = list(zip(*per_tower, strict=True))
   for result in (total, mean, batch_total, gathered):  # The same structure back.
     assert sorted(result) == ["a", "b"] and isinstance(result["b"][1][1], Pair)
     assert result["b"][1][1].right is None and isinstance(result["b"][1], tuple)

@@ -300,6 +300,6 @@ def test_a_batch_smaller_than_the_tower_count_trains_like_one_device(run_eagerly
   for key in ("loss", "mae"):
     np.testing.assert_allclose(towers[0][key], reference[0][key], rtol=1e-5)
   np.testing.assert_allclose(towers[1], reference[1], rtol=1e-5)
-  for got, want in zip(towers[2], reference[2]):
+  for got, want in zip(towers[2], reference[2], strict=True):
     np.testing.assert_allclose(got, want, atol=1e-6)
   np.testing.assert_allclose(towers[3], reference[3], atol=1e-6)

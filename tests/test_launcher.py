@@ -521,7 +521,7 @@ def test_keras_fit_with_backup_and_restore_resumes_after_a_killed_worker(tmp_pat
                                "[worker:1] epoch 2 attempt 1",
                                "[worker:1] epoch 3 attempt 1"], killed.stdout
   (_, killed_weights), (_, uninterrupted) = runs["killed"], runs["uninterrupted"]
-  for a, b in zip(killed_weights.values(), uninterrupted.values()):
+  for a, b in zip(killed_weights.values(), uninterrupted.values(), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -579,7 +579,9 @@ def test_bad_host_options(tmp_path, capfd, args, match):
   assert match in capfd.readouterr().err
 
 
-def test_a_taken_port(tmp_path, capfd):
+def test_a_taken_port_in_process_warns_of_no_isolate(tmp_path, capfd):
+  """In-process: the port check fails before any task starts, after the --no-isolate
+  warning (test_a_taken_port runs the launcher as a process)."""
   script = _write(tmp_path, "ok.py", "print('hi')\n")
   with socket.socket() as taken:
     taken.bind(("127.0.0.1", 0))

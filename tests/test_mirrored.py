@@ -143,7 +143,7 @@ def test_mirrored_variable_copies_and_reads(n):
       np.testing.assert_array_equal(value, v.primary.numpy())
     # Inside update, the component, the update device and the variable's device agree.
     columns = [s.unwrap(x) for x in updated]
-  for component_device, update_device, var_device in zip(*columns):
+  for component_device, update_device, var_device in zip(*columns, strict=False):
     assert component_device == update_device == var_device
 
 

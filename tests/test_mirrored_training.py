@@ -51,8 +51,8 @@ def _train(s, make_model, mode, x, y):
     per_tower_x = ds.values.PerDevice({d: xs[i] for i, d in enumerate(s.worker_devices)})
     per_tower_y = ds.values.PerDevice({d: ys[i] for i, d in enumerate(s.worker_devices)})
     grads = s.call_for_each_tower(tower_step, per_tower_x, per_tower_y)
-    reduced = s.batch_reduce("sum", [(g, v) for g, v in zip(grads, variables)])
-    for v, g in zip(variables, reduced):
+    reduced = s.batch_reduce("sum", [(g, v) for g, v in zip(grads, variables, strict=True)])
+    for v, g in zip(variables, reduced, strict=True):
       s.update(v, lambda c, gc: c.assign_sub(LR * gc), g)
 
   if mode == "function":
@@ -71,7 +71,7 @@ def _reference(make_model, x, y):
   for i in range(STEPS):
     with tf.GradientTape() as tape:
       loss = tf.reduce_mean(tf.square(model(tf.constant(x[i])) - y[i]))
-    for v, g in zip(variables, tape.gradient(loss, variables)):
+    for v, g in zip(variables, tape.gradient(loss, variables), strict=True):
       v.assign_sub(LR * g)
   return [v.numpy() for v in variables]
 
@@ -104,7 +104,7 @@ def test_module_mlp_matches_one_device(n, mode):
   x, y = _data()
   expected = _reference(lambda: MLP(seed=1), x, y)
   _, variables = _train(ds.MirroredStrategy(CPUS[:n]), lambda: MLP(seed=1), mode, x, y)
-  for v, e in zip(variables, expected):
+  for v, e in zip(variables, expected, strict=True):
     assert isinstance(v, MirroredVariable)
     for copy in v.values:
       np.testing.assert_allclose(copy.numpy(), e, rtol=1e-5, atol=1e-6)
@@ -116,7 +116,7 @@ def test_keras_dense_matches_one_device(mode):
   expected = _reference(_keras_model, x, y)
   model, variables = _train(ds.MirroredStrategy(CPUS), _keras_model, mode, x, y)
   assert all(isinstance(v, MirroredVariable) for v in variables)
-  for v, e in zip(variables, expected):
+  for v, e in zip(variables, expected, strict=True):
     for copy in v.values:
       np.testing.assert_allclose(copy.numpy(), e, rtol=1e-5, atol=1e-6)
   # The layer itself sees the trained values.

@@ -74,7 +74,7 @@ def _reference(name, sparse, steps=STEPS):
   ids, ys, emb0, w0 = _data(steps)
   emb, w, opt = tf.Variable(emb0), tf.Variable(w0), OPTIMIZERS[name]()
   for i in range(steps):
-    opt.minimize(lambda: _loss(emb, w, ids[i], ys[i], sparse), var_list=[emb, w])
+    opt.minimize(lambda i=i: _loss(emb, w, ids[i], ys[i], sparse), var_list=[emb, w])
   return emb.numpy(), w.numpy()
 
 
@@ -415,7 +415,8 @@ def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_devic
     # predict returns every worker's towers' rows, in input order, in every worker.
     np.testing.assert_allclose(result["predictions"], reference["predictions"],
                                rtol=1e-5, atol=1e-6)
-    for got, want in zip(result["weights"], reference["weights"]):  # BN statistics too.
+    # BN statistics too.
+    for got, want in zip(result["weights"], reference["weights"], strict=True):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # Dropout: one mask per tower of every worker, no two the same.
     assert len(result["masks"]) == 4
@@ -425,7 +426,7 @@ def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_devic
     assert result["tower_local"] == (10.0, 10.0, [2.5, 2.5])
   # The chief's ModelCheckpoint file loads with no strategy, with the trained weights.
   loaded = keras.models.load_model(str(tmp_path / "model.keras"))
-  for got, want in zip(loaded.get_weights(), reference["weights"]):
+  for got, want in zip(loaded.get_weights(), reference["weights"], strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   # The chief's SavedModel (model.export) serves the trained model.
   exported = tf.saved_model.load(str(tmp_path / "export"))  # (kept: it owns the variables)

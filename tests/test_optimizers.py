@@ -136,7 +136,7 @@ def _distributed(name, sparse, n, mode, ids, y):
 
   def step(ids_batch, y_batch):
     parts = tf.split(ids_batch, n), tf.split(y_batch, n)
-    per_tower = [ds.values.PerDevice(dict(zip(s.worker_devices, p))) for p in parts]
+    per_tower = [ds.values.PerDevice(dict(zip(s.worker_devices, p, strict=True))) for p in parts]
     s.call_for_each_tower(tower_fn, *per_tower)
 
   if mode == "function":
@@ -298,7 +298,7 @@ def test_keras_model_trains_on_four_towers_like_one_device():
   ref = build()
   ref_opt = optimizers.Adam(0.01)
   for i in range(4):
-    ref_opt.minimize(lambda: tf.reduce_mean(tf.square(ref(x[i]) - y[i])),
+    ref_opt.minimize(lambda i=i: tf.reduce_mean(tf.square(ref(x[i]) - y[i])),
                      var_list=ref.trainable_variables)
 
   s = ds.MirroredStrategy(CPUS)
@@ -308,7 +308,8 @@ def test_keras_model_trains_on_four_towers_like_one_device():
 
   @tf.function
   def step(xb, yb):
-    parts = [ds.values.PerDevice(dict(zip(s.worker_devices, tf.split(t, 4)))) for t in (xb, yb)]
+    parts = [ds.values.PerDevice(dict(zip(s.worker_devices, tf.split(t, 4), strict=True)))
+             for t in (xb, yb)]
     s.call_for_each_tower(lambda xp, yp: opt.minimize(
         lambda: tf.reduce_mean(tf.square(model(xp) - yp)), var_list=model.trainable_variables),
         *parts)
@@ -316,7 +317,7 @@ def test_keras_model_trains_on_four_towers_like_one_device():
   with s.scope():
     for i in range(4):
       step(x[i], y[i])
-  for got, want in zip(model.trainable_variables, ref.trainable_variables):
+  for got, want in zip(model.trainable_variables, ref.trainable_variables, strict=True):
     np.testing.assert_allclose(np.asarray(got.numpy()), np.asarray(want.numpy()),
                                rtol=2e-5, atol=2e-6)
 
@@ -336,7 +337,7 @@ def test_optimizer_checkpoint_four_towers_to_one(tmp_path, name, reader, build):
         opt.minimize(_loss_fn(emb, w, ids[i], y[i], True), var_list=[emb, w])
       else:
         with strategy.scope():
-          strategy.call_for_each_tower(lambda: opt.minimize(
+          strategy.call_for_each_tower(lambda i=i: opt.minimize(
               _loss_fn(emb, w, ids[i], y[i], True), var_list=[emb, w]))
 
   # Restore into 1 tower (or no strategy) with fresh optimizer state.

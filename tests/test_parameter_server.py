@@ -136,7 +136,7 @@ def test_towers_match_one_device(name, sparse, mode):
 
   def step(ids_batch, y_batch):
     parts = tf.split(ids_batch, 4), tf.split(y_batch, 4)
-    per_tower = [ds.values.PerDevice(dict(zip(s.worker_devices, p))) for p in parts]
+    per_tower = [ds.values.PerDevice(dict(zip(s.worker_devices, p, strict=True))) for p in parts]
     s.call_for_each_tower(tower_fn, *per_tower)
 
   if mode == "function":

@@ -88,7 +88,7 @@ def test_import_diststrat_makes_the_pipeline_available():
 
 def _max_stage(costs, sizes):
   bounds = [0] + list(itertools.accumulate(sizes))
-  return max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+  return max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
 
 
 def _brute_force(costs, num_stages):
@@ -196,7 +196,7 @@ def test_matches_sequential(num_stages, num_micro_batches, recompute, mode):
   y, grads = step(x)
   np.testing.assert_allclose(y, expected_y, **TOL)
   assert len(grads) == len(expected_grads)
-  for g, e in zip(grads, expected_grads):
+  for g, e in zip(grads, expected_grads, strict=True):
     np.testing.assert_allclose(g, e, **TOL)
 
 
@@ -204,7 +204,7 @@ def test_variables_live_on_their_stage_devices():
   layers, sizes = _shared(4)
   pipe = GPipe(layers, devices=CPUS, partition=sizes)
   assert [len(s) for s in pipe.stages] == sizes
-  for device, stage in zip(CPUS, pipe.stages):
+  for device, stage in zip(CPUS, pipe.stages, strict=True):
     for layer in stage:
       for v in getattr(layer, "variables", []):
         assert v.value.device == device
@@ -259,7 +259,7 @@ def test_sparse_gradients_and_integer_inputs():
   got = grads(lambda t: pipe(t, training=True))
   expected = grads(lambda t: _sequential(layers, t))
   assert isinstance(got[0], tf.IndexedSlices)  # Accumulated sparse, never densified.
-  for g, e in zip(got, expected):
+  for g, e in zip(got, expected, strict=True):
     np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(e), **TOL)
 
 
@@ -283,7 +283,7 @@ def test_tf_module_callable_with_its_own_variable():
   got_y, got = _loss_and_grads(lambda t: pipe(t, training=True), variables, x)
   want_y, want = _loss_and_grads(functools.partial(_sequential, layers), variables, x)
   np.testing.assert_allclose(got_y, want_y, **TOL)
-  for g, e in zip(got, want):
+  for g, e in zip(got, want, strict=True):
     np.testing.assert_allclose(g, e, **TOL)
 
 
@@ -301,7 +301,7 @@ def test_recompute_replays_dropout_and_updates_moving_statistics_once(mode):
   x = _input(seed=5)
   results = []
   for pipe in (keep, again):
-    for v, value in zip(state, initial):
+    for v, value in zip(state, initial, strict=True):
       v.assign(value)
     step = functools.partial(_loss_and_grads, lambda t, p=pipe: p(t, training=True),
                              pipe.trainable_variables)
@@ -311,7 +311,8 @@ def test_recompute_replays_dropout_and_updates_moving_statistics_once(mode):
     results.append((y, grads, [v.numpy() for v in state]))
   (y1, g1, s1), (y2, g2, s2) = results
   np.testing.assert_allclose(y2, y1, **TOL)
-  for a, b in zip(g2 + s2, g1 + s1):  # Same masks; moving statistics updated once per cell.
+  # Same masks; moving statistics updated once per cell.
+  for a, b in zip(g2 + s2, g1 + s1, strict=True):
     np.testing.assert_allclose(a, b, **TOL)
   assert not np.allclose(s1[1], initial[1])  # The moving mean did move.
 
@@ -323,15 +324,16 @@ def test_persistent_tape_and_tape_outside_the_function():
   _, expected = _loss_and_grads(functools.partial(_sequential, layers), _variables(layers), x)
   with tf.GradientTape(persistent=True) as tape:  # Two backward passes: the second recomputes.
     loss = tf.reduce_sum(tf.sin(pipe(x)) * pipe(x))
+  # strict=False: `expected` ends with the input's gradient, which is not compared.
   for _ in range(2):
-    for g, e in zip(tape.gradient(loss, pipe.trainable_variables), expected):
+    for g, e in zip(tape.gradient(loss, pipe.trainable_variables), expected, strict=False):
       np.testing.assert_allclose(g, e, **TOL)
   del tape
   forward = tf.function(lambda t: pipe(t, training=True))
   with tf.GradientTape() as tape:  # TensorFlow differentiates the traced function itself.
     y = forward(x)
     loss = tf.reduce_sum(tf.sin(y) * y)
-  for g, e in zip(tape.gradient(loss, pipe.trainable_variables), expected):
+  for g, e in zip(tape.gradient(loss, pipe.trainable_variables), expected, strict=False):
     np.testing.assert_allclose(g, e, **TOL)
 
 
@@ -344,7 +346,7 @@ def test_checkpoint_restores_into_another_stage_count(tmp_path):
   tf.train.Checkpoint(model=three).restore(path).assert_consumed()
   x = _input()
   np.testing.assert_allclose(three(x), two(x), **TOL)
-  for a, b in zip(three.trainable_variables, two.trainable_variables):
+  for a, b in zip(three.trainable_variables, two.trainable_variables, strict=True):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
@@ -367,7 +369,7 @@ def _training_data(seed=11, batch=BATCH):
 
 
 def _copy_weights(source, target):
-  for a, b in zip(source, target):
+  for a, b in zip(source, target, strict=True):
     if isinstance(a, keras.layers.Layer):
       b.set_weights(a.get_weights())
 
@@ -376,11 +378,11 @@ def _train(forward, variables, opt, mode, xs, ys):
   def step(x, y):
     with tf.GradientTape() as tape:
       loss = tf.reduce_mean(tf.square(forward(x) - y))
-    opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    opt.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
     return loss
   if mode == "function":
     step = tf.function(step)
-  for x, y in zip(xs, ys):
+  for x, y in zip(xs, ys, strict=True):
     step(tf.constant(x), tf.constant(y))
   return [np.array(tf.convert_to_tensor(v)) for v in variables]
 
@@ -409,7 +411,7 @@ def test_training_matches_one_device(opt_name, mode):
   got = _train(lambda t: pipe(t, training=True), pipe.trainable_variables,
                OPTIMIZERS[opt_name](), mode, xs, ys)
   assert not np.allclose(got[0], _initial_weights()[0].kernel.numpy())  # It trained.
-  for g, e in zip(got, expected):
+  for g, e in zip(got, expected, strict=True):
     np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
 
 
@@ -423,7 +425,7 @@ def _sgd_merge(strategy, grads_and_vars):
   """Plain SGD in cross-tower context: sum the towers' gradients, update every copy."""
   variables = [v for _, v in grads_and_vars]
   reduced = strategy.batch_reduce("sum", [(g, v) for g, v in grads_and_vars])
-  for v, g in zip(variables, reduced):
+  for v, g in zip(variables, reduced, strict=True):
     strategy.update(v, lambda copy, grad: copy.assign_sub(LR * grad), g)
 
 
@@ -447,13 +449,13 @@ def _train_towers(opt_name, mode, xs, ys, apply_with):
 
   def step(x, y):
     def split(t):
-      return ds.values.PerDevice(dict(zip(strategy.worker_devices, tf.split(t, 2))))
+      return ds.values.PerDevice(dict(zip(strategy.worker_devices, tf.split(t, 2), strict=True)))
     strategy.call_for_each_tower(tower, split(x), split(y))
 
   if mode == "function":
     step = tf.function(step)
   with strategy.scope():
-    for x, y in zip(xs, ys):
+    for x, y in zip(xs, ys, strict=True):
       step(tf.constant(x), tf.constant(y))
   return pipe
 
@@ -473,7 +475,7 @@ def _check_towers_trained(pipe, expected):
       for v in getattr(layer, "trainable_variables", []):
         assert isinstance(v.value, ds.values.MirroredVariable)
         assert v.value.devices == columns[stage]  # One copy per tower, on its stage device.
-  for v, e in zip(pipe.trainable_variables, expected):
+  for v, e in zip(pipe.trainable_variables, expected, strict=True):
     for copy in v.value.values:
       np.testing.assert_allclose(copy.numpy(), e, rtol=1e-4, atol=1e-5)
 
@@ -652,12 +654,12 @@ def test_stages_before_build():
   pipe = GPipe([tf.nn.relu, tf.nn.tanh], devices=CPUS[:2])
   with pytest.raises(ds.errors.ContextError, match=r"GPipe.stages is known once the layers "
                      r"are partitioned.*Call pipe.build\(input_shape\)"):
-    pipe.stages  # pylint: disable=pointless-statement
+    _ = pipe.stages
   pipe = GPipe([tf.nn.relu, tf.nn.tanh], devices=CPUS[:2], partition=[1, 1])
   assert pipe.stage_sizes == [1, 1]
   with pytest.raises(ds.errors.ContextError, match=r"GPipe.stage_costs is known once the "
                      r"pipeline is built"):
-    pipe.stage_costs  # pylint: disable=pointless-statement
+    _ = pipe.stage_costs
 
 
 def test_strategy_errors():

@@ -259,7 +259,7 @@ def _killed_writes_fn(strategy, sync_dir):
     control("kill")
     calls = []
 
-    def three_writes():
+    def three_writes(write=write, calls=calls):
       for _ in range(3):
         write()
         calls.append(1)

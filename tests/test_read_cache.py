@@ -94,8 +94,9 @@ def test_training_reads_each_variable_once_per_step_with_the_same_weights(
   runs = {kind: (s, *cases.train(s, model_class, optimizer, mode)) for kind, (s,) in runs.items()}
   plain, uncached, cached = (runs[k][1] for k in KINDS)
   initial = [v.numpy() for v in model_class().weights]
-  assert any(not np.allclose(a, b) for a, b in zip(plain, initial))  # Training moved them.
-  for a, b, c in zip(plain, uncached, cached):
+  # Training moved them.
+  assert any(not np.allclose(a, b) for a, b in zip(plain, initial, strict=True))
+  for a, b, c in zip(plain, uncached, cached, strict=True):
     np.testing.assert_allclose(c, b, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(c, a, rtol=1e-6, atol=1e-7)
   strategy = runs["cached"][0]
@@ -121,7 +122,7 @@ def test_gradients_and_values_match_uncached_reads(make_strategy, case, mode):
   results = {kind: cases.run_case(make_strategy(kind), case, mode) for kind in KINDS}
   for kind in ("uncached", "cached"):
     assert len(results[kind]) == len(results["plain"])
-    for got, expected in zip(results[kind], results["plain"]):
+    for got, expected in zip(results[kind], results["plain"], strict=True):
       np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=kind)
 
 

@@ -1,6 +1,10 @@
 """The public API is annotated (the package ships py.typed, so type checkers read it)."""
 
 import inspect
+import types
+import typing
+
+import pytest
 
 import diststrat
 from diststrat import cluster
@@ -13,7 +17,7 @@ from diststrat import values
 MODULES = (diststrat, cluster, cross_tower_ops, optimizers, pipeline, strategies, values)
 
 
-def _public_callables():
+def _public_objects():
   seen = set()
   for module in MODULES:
     for name in getattr(module, "__all__", ()):
@@ -21,16 +25,36 @@ def _public_callables():
       if id(obj) in seen or not getattr(obj, "__module__", "").startswith("diststrat"):
         continue
       seen.add(id(obj))
-      if inspect.isfunction(obj):
-        yield f"{module.__name__}.{name}", obj
-      elif inspect.isclass(obj) and not issubclass(obj, BaseException):
-        for attr, member in vars(obj).items():
+      yield f"{module.__name__}.{name}", obj
+
+
+def _own_and_private_bases(cls):
+  """`cls`, then the bases it gets public members from that are not public themselves
+  (mixins such as `ClusterTaskMixin`): their members are part of `cls`'s API."""
+  public = {id(obj) for _, obj in _public_objects()}
+  return [cls] + [base for base in cls.__mro__[1:]
+                  if base.__module__.startswith("diststrat") and id(base) not in public]
+
+
+def _public_callables():
+  """(name, function) of every public function and method, and of every public property's
+  getter and setter."""
+  for qualified, obj in _public_objects():
+    if inspect.isfunction(obj):
+      yield qualified, obj
+    elif inspect.isclass(obj) and not issubclass(obj, BaseException):
+      for cls in _own_and_private_bases(obj):
+        for attr, member in vars(cls).items():
           if attr.startswith("_") and attr != "__init__":
             continue
           if isinstance(member, (staticmethod, classmethod)):
             member = member.__func__
           if inspect.isfunction(member):
-            yield f"{module.__name__}.{name}.{attr}", member
+            yield f"{qualified}.{attr}", member
+          elif isinstance(member, property):
+            yield f"{qualified}.{attr} (property)", member.fget
+            if member.fset is not None:
+              yield f"{qualified}.{attr} (property setter)", member.fset
 
 
 def _missing(function):
@@ -46,3 +70,61 @@ def _missing(function):
 def test_every_public_function_and_method_is_annotated():
   unannotated = {name: _missing(f) for name, f in _public_callables() if _missing(f)}
   assert not unannotated, "\n".join(f"{n}: {m}" for n, m in sorted(unannotated.items()))
+
+
+def test_properties_are_checked():
+  """The check above sees properties, inherited ones from private mixins too."""
+  names = {name for name, _ in _public_callables()}
+  assert "diststrat.MirroredStrategy.cross_tower_ops (property)" in names
+  assert "diststrat.ParameterServerStrategy.step_timeout (property setter)" in names
+  assert "diststrat.MultiWorkerMirroredStrategy.task_id (property)" in names  # A mixin's.
+
+
+# --- return types that say what comes back, not Any ------------------------------------
+
+# Annotations naming a type of a higher layer are strings (the module imports it only
+# for type checkers), resolved here against the package's public names.
+_PUBLIC_NAMES = {name: getattr(diststrat, name) for name in diststrat.__all__}
+
+
+def _return_type(function):
+  return typing.get_type_hints(function, localns=_PUBLIC_NAMES)["return"]
+
+
+def _members(hint):
+  """The types of a union (`Optional[X]`, `X | None`), or {hint}."""
+  if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    return set(typing.get_args(hint))
+  return {hint}
+
+
+def _contains_any(hint):
+  return hint is typing.Any or any(_contains_any(a) for a in typing.get_args(hint))
+
+
+_NONE = type(None)
+REAL_RETURN_TYPES = [
+    (diststrat.get_tower_context, {diststrat.TowerContext, _NONE}),
+    (diststrat.get_cross_tower_context, {diststrat.DistributionStrategy, _NONE}),
+    (diststrat.get_distribution_strategy, {diststrat.DistributionStrategy}),
+    (diststrat.get_update_device, {str, _NONE}),
+    (diststrat.TowerContext.distribution_strategy.fget, {diststrat.DistributionStrategy}),
+    (values.DistributedVariable.distribution_strategy.fget,
+     {diststrat.DistributionStrategy, _NONE}),
+]
+
+
+@pytest.mark.parametrize("function, expected", REAL_RETURN_TYPES,
+                         ids=[function.__qualname__ for function, _ in REAL_RETURN_TYPES])
+def test_context_getters_return_their_real_types(function, expected):
+  returned = _return_type(function)
+  assert not _contains_any(returned), f"{function.__qualname__} returns {returned}"
+  assert _members(returned) == expected, f"{function.__qualname__} returns {returned}"
+
+
+def test_an_any_return_type_is_caught():
+  def getter() -> typing.Optional[typing.Any]:
+    return None
+
+  assert _contains_any(_return_type(getter))
+  assert not _contains_any(_return_type(diststrat.get_update_device))

@@ -13,6 +13,7 @@ the spec (a fixed port): reconnecting after a PS restart needs it to be the same
 """
 
 import time
+from typing import Optional
 
 from diststrat._tf import tf
 from diststrat import _arguments
@@ -132,7 +133,7 @@ def wait_for_servers(addresses, timeout, poll=0.5):
   deadline = time.monotonic() + timeout
   while addresses:
     outcomes = _tf_internal.probe_tf_server(addresses, min(poll * 4, timeout))
-    addresses = [a for a, why in zip(addresses, outcomes) if why]
+    addresses = [a for a, why in zip(addresses, outcomes, strict=True) if why]
     if not addresses or time.monotonic() + poll > deadline:
       return
     time.sleep(poll)
@@ -145,24 +146,24 @@ class ClusterTaskMixin:
   `_task_type` and `_task_id`.
   """
 
-  _cluster_spec = None
-  _task_type = None
-  _task_id = None
+  _cluster_spec: Optional[dict[str, list[str]]] = None
+  _task_type: Optional[str] = None
+  _task_id: Optional[int] = None
 
   @property
-  def cluster_spec(self):
+  def cluster_spec(self) -> Optional[dict[str, list[str]]]:
     """The cluster spec as {job: [address, ...]}, or None outside a cluster."""
     if self._cluster_spec is None:
       return None
     return {job: list(addresses) for job, addresses in self._cluster_spec.items()}
 
   @property
-  def task_type(self):
+  def task_type(self) -> Optional[str]:
     """This process's job in the cluster ("worker", ...)."""
     return self._task_type
 
   @property
-  def task_id(self):
+  def task_id(self) -> Optional[int]:
     """This process's index in its job."""
     return self._task_id
 
@@ -233,7 +234,7 @@ class ClusterConnection:
     addresses = self.spec[PS_JOB]
     outcomes = _tf_internal.probe_tf_server(addresses, timeout)
     failed = [(task, address, why) for task, address, why
-              in zip(self.ps_tasks, addresses, outcomes) if why]
+              in zip(self.ps_tasks, addresses, outcomes, strict=True) if why]
     if failed:
       text = "; ".join(f"parameter server task {t} at {a} {w}" for t, a, w in failed)
       raise errors.ClusterError(

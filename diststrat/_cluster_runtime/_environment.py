@@ -215,7 +215,7 @@ def cluster_from_slurm(environ: Mapping | None = None, *, num_ps: int | None = N
   if not 0 < port_base <= 65536 - max(per_node):
     raise ValueError(f"port_base must leave room for {max(per_node)} ports per node below "
                      f"65536. Received: port_base={port_base}")
-  addresses = [f"{host}:{port_base + k}" for host, count in zip(hosts, per_node)
+  addresses = [f"{host}:{port_base + k}" for host, count in zip(hosts, per_node, strict=True)
                for k in range(count)]
   spec = {"worker": addresses[num_ps:]}
   if num_ps:

@@ -18,7 +18,7 @@ ISOLATED_ENV = "DISTSTRAT_PRIVATE_NETWORK"
 """Set to "1" in the processes of a `LocalCluster` or `diststrat-run` job that run in its
 private network."""
 
-_warned = []
+_warned: list[str] = []  # The task whose server was warned about (at most one).
 _lock = threading.Lock()
 
 

@@ -46,7 +46,8 @@ benchmark's largest weight is 4 MiB); variables past it are in practice embeddin
 tables, which are better read sparsely (`tf.nn.embedding_lookup`, `tf.gather`).
 """
 
-_open_caches = weakref.WeakSet()  # Caches of calls still running, for invalidate().
+# Caches of calls still running, for invalidate().
+_open_caches: "weakref.WeakSet[ReadCache]" = weakref.WeakSet()
 _open_lock = threading.Lock()
 
 

@@ -55,7 +55,8 @@ _PROBE_RETRY = 0.25  # Seconds between two probes of a task that did not answer.
 _PS_ADVICE = "Restart the task, call strategy.reconnect(), then restore the last checkpoint."
 _PS_RESTARTED_ADVICE = "Call strategy.reconnect(), then restore the last checkpoint."
 
-_live_guards = weakref.WeakSet()  # The StepGuards of this process's cluster connections.
+# The StepGuards of this process's cluster connections.
+_live_guards: "weakref.WeakSet[StepGuard]" = weakref.WeakSet()
 _thread_state = threading.local()  # .raw: leave errors alone; .what: the guarded call.
 
 

@@ -31,6 +31,7 @@ What Keras then does by itself, unchanged:
 import contextlib
 import threading
 import weakref
+from typing import Any
 
 from diststrat._tf import tf
 from diststrat import _context
@@ -43,8 +44,10 @@ from diststrat.values import _variables
 from diststrat.values import _wrapped
 
 
-_adapters = weakref.WeakKeyDictionary()  # strategy -> its StrategyAdapter
-_checked_models = weakref.WeakKeyDictionary()  # Keras model -> the adapter that checked it
+# strategy -> its StrategyAdapter
+_adapters: "weakref.WeakKeyDictionary[Any, StrategyAdapter]" = weakref.WeakKeyDictionary()
+# Keras model -> the adapter that checked it
+_checked_models: "weakref.WeakKeyDictionary[Any, StrategyAdapter]" = weakref.WeakKeyDictionary()
 
 
 def adapter_for(strategy):
@@ -195,7 +198,8 @@ class _MergeFn:
 
 # --- a Keras optimizer's apply, once per step with the summed gradients ---------------
 
-_routed_optimizers = weakref.WeakKeyDictionary()  # Keras optimizer -> its StrategyAdapter
+# Keras optimizer -> its StrategyAdapter
+_routed_optimizers: "weakref.WeakKeyDictionary[Any, StrategyAdapter]" = weakref.WeakKeyDictionary()
 
 
 def route_optimizer(optimizer, adapter):
@@ -229,7 +233,8 @@ def route_optimizer(optimizer, adapter):
   _routed_optimizers[optimizer] = adapter
 
 
-_routed_trackers = weakref.WeakKeyDictionary()  # Keras loss tracker -> its StrategyAdapter
+# Keras loss tracker -> its StrategyAdapter
+_routed_trackers: "weakref.WeakKeyDictionary[Any, StrategyAdapter]" = weakref.WeakKeyDictionary()
 
 
 def route_loss_tracker(tracker, adapter):
@@ -654,7 +659,7 @@ class StrategyAdapter:
         if present else []
     first_device = strategy.worker_devices[0]
     summed = [None] * len(grads)
-    for i, value in zip(present, reduced):
+    for i, value in zip(present, reduced, strict=True):
       summed[i] = value.get(first_device) if isinstance(
           value, _wrapped.DistributedValues) else value
     with _tf_internal.tf_distribution_mode(self, SummedGradientsContext(self)):

@@ -19,11 +19,13 @@ restore the same state) and writes to the scratch directory after that.
 import os
 import shutil
 import tempfile
+import typing
 import weakref
 
 from diststrat import _tf_internal
 
-_redirected = weakref.WeakKeyDictionary()  # callback -> its scratch directory
+# callback -> its scratch directory
+_redirected: weakref.WeakKeyDictionary[typing.Any, str] = weakref.WeakKeyDictionary()
 
 
 def _file_callback_kinds():

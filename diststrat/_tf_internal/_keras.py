@@ -29,7 +29,7 @@ def keras_backing_variable(value):
   Keras 3 keeps it in `_value`; its public `.value` reads the variable instead.
   """
   if type(value).__module__.startswith("keras") and hasattr(value, "_value"):
-    inner = getattr(value, "_value")
+    inner = value._value  # pylint: disable=protected-access
     if isinstance(inner, tf.Variable):
       return inner
   return None

@@ -81,11 +81,11 @@ class ForkedProcess:
   def wait(self, timeout: Optional[float] = None) -> int:
     """Waits at most `timeout` s; raises `subprocess.TimeoutExpired` after that."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    while self.poll() is None:
-      if deadline is not None and time.monotonic() > deadline:
+    while (returncode := self.poll()) is None:
+      if timeout is not None and deadline is not None and time.monotonic() > deadline:
         raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
       time.sleep(_POLL)
-    return self.returncode
+    return returncode
 
   def send_signal(self, sig: int) -> None:
     """Sends `sig` unless the process has exited (a no-op then)."""
@@ -160,10 +160,10 @@ class ForkServer:
     """
     fds = dict(fds or {})
     with self._lock:
-      self._check_alive()
-      self._conn.send(("spawn", code, ["-c"] + list(argv), env, cwd, list(fds)))
+      conn, process = self._check_alive()
+      conn.send(("spawn", code, ["-c"] + list(argv), env, cwd, list(fds)))
       for source in fds.values():
-        reduction.send_handle(self._conn, source, self._process.pid)
+        reduction.send_handle(conn, source, process.pid)
       answer = self._receive(_ANSWER_TIMEOUT, "to fork")
     if answer[0] != "spawned":
       raise ForkServerError(f"The fork server could not fork: {answer[1]}")
@@ -185,14 +185,18 @@ class ForkServer:
 
   def _request(self, *request):
     with self._lock:
-      self._check_alive()
-      self._conn.send(request)
+      conn, _ = self._check_alive()
+      conn.send(request)
       answer = self._receive(_ANSWER_TIMEOUT, f"to {request[0]}")
     return answer[1]
 
-  def _check_alive(self):
-    if self._conn is None:
+  def _check_alive(self) -> "tuple[connection.Connection, subprocess.Popen]":
+    """The connection to the running server and its process; raises once stopped."""
+    # `start` sets the process before the connection; `close` unsets the connection only.
+    conn, process = self._conn, self._process
+    if conn is None or process is None:
       raise ForkServerError("The fork server is stopped (its cluster was stopped).")
+    return conn, process
 
   def _receive(self, timeout, what):
     deadline = time.monotonic() + timeout
@@ -230,6 +234,7 @@ def serve() -> None:
     importlib.import_module(name)
   conn.send(("ready",))
   children: Dict[int, Optional[int]] = {}
+  answer: tuple  # (kind, detail): what the server sends back for each request.
   while True:
     try:
       request = conn.recv()
@@ -247,7 +252,7 @@ def serve() -> None:
         answer = ("failed", str(e))
       else:
         if pid == 0:
-          _run_child(conn, code, argv, env, cwd, dict(zip(targets, received)))
+          _run_child(conn, code, argv, env, cwd, dict(zip(targets, received, strict=True)))
         children[pid] = None
         answer = ("spawned", pid)
       for fd in received:

@@ -60,9 +60,9 @@ _PRELOAD = ("diststrat.cluster._child", "keras", "numpy")
 _JOBS = ("ps", "worker")
 STRATEGIES = ("parameter_server", "multi_worker")
 
-_running_clusters = weakref.WeakSet()
+_running_clusters: "weakref.WeakSet[LocalCluster]" = weakref.WeakSet()
 _logger = logging.getLogger("diststrat")
-_isolation_warned = []
+_isolation_warned: list[bool] = []
 
 
 @atexit.register
@@ -181,7 +181,7 @@ class _WorkerRun:
     self.children = [None] * cluster.num_workers
     self._payloads = [None] * cluster.num_workers
 
-  def start(self) -> "LocalCluster":
+  def start(self) -> None:
     for task_id in range(len(self.children)):
       self.children[task_id] = self._start(task_id)
 
@@ -336,12 +336,12 @@ class LocalCluster:
           f"host must be a loopback address such as '127.0.0.1'. Received: host={host!r}. "
           "Use host='127.0.0.1', or isolate=False to reach the tasks over the network.")
     self._isolate = isolate
-    self._namespace = None
-    self._forkserver = None
+    self._namespace: Optional[_isolation.Namespace] = None
+    self._forkserver: Optional[_forkserver.ForkServer] = None
     self._processes_lock = threading.RLock()
-    self._spec = None
-    self._ps = []
-    self._run = None
+    self._spec: Optional[dict[str, list[str]]] = None  # Set by `start`.
+    self._ps: list[Optional[_Child]] = []  # None while that PS task restarts.
+    self._run: Optional[_WorkerRun] = None  # The `run_on_workers` call running.
     self._state = "new"
 
   def __repr__(self):
@@ -356,14 +356,15 @@ class LocalCluster:
     return False
 
   @property
-  def isolated(self):
+  def isolated(self) -> bool:
     """Whether the cluster's processes run in a private network namespace (once started)."""
     return self._namespace is not None
 
   @property
-  def cluster_spec(self):
+  def cluster_spec(self) -> dict[str, list[str]]:
     """{"ps": ["127.0.0.1:port", ...], "worker": [...]} (no "ps" if num_ps=0): a copy."""
     self._check_running()
+    assert self._spec is not None  # `start` set it.
     return {job: list(addresses) for job, addresses in self._spec.items()}
 
   def start(self) -> "LocalCluster":
@@ -461,8 +462,10 @@ class LocalCluster:
       self._wait_ready(child, task_id, time.monotonic() + self._start_timeout)
       return
     with self._processes_lock:
-      self._child(task_type, task_id)  # Checks the task.
-      self._run.restart(task_id)
+      self._child(task_type, task_id)  # Checks the task, and that a run is running.
+      run = self._run
+      assert run is not None  # `_child` raised otherwise.
+      run.restart(task_id)
 
   def run_on_workers(self, fn: Callable[..., Any], strategy: Optional[str] = None,
                      **kwargs: Any) -> list:

@@ -96,7 +96,7 @@ def serve(cluster_spec: dict | None = None, task_type: str | None = None,
           "cluster_spec, task_type and task_id. Received: neither TF_CONFIG nor Slurm "
           "variables.")
     cluster_spec, task_type, task_id = config.cluster_spec, config.task_type, config.task_id
-  if task_type not in cluster_spec or not isinstance(task_id, int) or not (
+  if task_type is None or task_type not in cluster_spec or not isinstance(task_id, int) or not (
       0 <= task_id < len(cluster_spec[task_type])):
     raise ValueError(f"serve() runs one task of cluster_spec; task_type and task_id must "
                      f"name one. Received: task_type={task_type!r}, task_id={task_id!r}, "

@@ -46,7 +46,7 @@ def _hierarchical_copy(ops, devices, columns, mean, first):
   for j, column in enumerate(columns):
     homes = [group[(first + j) % len(group)] for group in groups]
     partials = []
-    for home, values in zip(homes, (column[:half], column[half:])):
+    for home, values in zip(homes, (column[:half], column[half:]), strict=True):
       with tf.device(home):
         partials.append(tf.math.add_n(list(values)))
     with tf.device(homes[0]):
@@ -71,12 +71,13 @@ def _collective_all_reduce(ops, devices, columns, mean, first, communication_hin
                                           mean and not column[0].dtype.is_integer,
                                           ops.timeout or 0, communication_hint)
   if reduced:
-    reduced = dict(zip(reduced, _collective.run_together(list(reduced.values()), devices)))
+    together = _collective.run_together(list(reduced.values()), devices)
+    reduced = dict(zip(reduced, together, strict=True))
   results = []
   for j, column in enumerate(columns):
     result = reduced.get(j, column)
     if mean and column[0].dtype.is_integer:  # The collective's division truncates; ours floors.
-      result = [_on(d, _base.divide, r, len(devices)) for d, r in zip(devices, result)]
+      result = [_on(d, _base.divide, r, len(devices)) for d, r in zip(devices, result, strict=True)]
     results.append(tuple(result))
   return results
 
@@ -193,8 +194,8 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
                  for i in indices]
       reduced = self._all_reduce(devices, columns, mean, first)
       first += len(columns)
-      for i, column in zip(indices, reduced):
-        results[i] = _wrapped.Mirrored(dict(zip(devices, column)))
+      for i, column in zip(indices, reduced, strict=True):
+        results[i] = _wrapped.Mirrored(dict(zip(devices, column, strict=True)))
     return results
 
   def _all_reduce(self, devices, columns, mean, first):

@@ -203,7 +203,7 @@ class CrossTowerOps:
     """Routes each item to the hook that reduces it; returns Mirrored results in order."""
     if kind == "broadcast":
       results = [self._broadcast(value.primary, destinations) for value, destinations in items]
-      return [_in_order(r, d, self, "_broadcast") for r, (_, d) in zip(results, items)]
+      return [_in_order(r, d, self, "_broadcast") for r, (_, d) in zip(results, items, strict=True)]
     results = [None] * len(items)
     dense = []
     for i, (value, destinations) in enumerate(items):
@@ -219,9 +219,10 @@ class CrossTowerOps:
       reduced = self._batch_reduce(aggregation, [items[i] for i in dense])
     else:
       reduced = []
-    for i, r in zip(dense, reduced):
+    # strict=False: a subclass's hook that returns too few results is named by _in_order.
+    for i, r in zip(dense, reduced, strict=False):
       results[i] = r
-    return [_in_order(r, d, self, f"_{kind}") for r, (_, d) in zip(results, items)]
+    return [_in_order(r, d, self, f"_{kind}") for r, (_, d) in zip(results, items, strict=True)]
 
   def _launch(self, kind, aggregation, items):
     """Runs `_build` for `items` as one cached `tf.function` (eager mode)."""
@@ -312,7 +313,7 @@ def _as_per_device(value, method, destinations):
     raise ValueError(f"{method}() needs a value. Received: None")
   value = as_tf_variable(value)
   if isinstance(value, _wrapped.DistributedValues):
-    index = dict(zip(value.devices, value.values))
+    index = dict(zip(value.devices, value.values, strict=True))
   elif _is_distributed_variable(value):
     index = {d: value.get(d) for d in _devices.canonicalize_all(value.devices)}
   else:

@@ -18,6 +18,7 @@ for each other). See docs/design/tensorflow_facts.md.
 """
 
 import threading
+import typing
 
 from diststrat._tf import tf
 from diststrat import _tf_internal
@@ -58,7 +59,8 @@ class _Keys:
 
 _KEYS = _Keys()
 
-_ORDERING_TOKENS = {}  # device -> a resource handle on it (see `_ordering_token`)
+# device -> a resource handle on it (see `_ordering_token`)
+_ORDERING_TOKENS: dict[str, typing.Any] = {}
 _ORDERING_TOKENS_LOCK = threading.Lock()
 
 
@@ -116,7 +118,7 @@ def all_reduce(values, devices, mean, timeout, communication_hint="auto", group=
   group_key = _KEYS.group_key(group)
   instance_key = _KEYS.instance_key()
   results = []
-  for value, device in zip(values, devices):
+  for value, device in zip(values, devices, strict=True):
     with tf.device(device):
       results.append(_reduce_op(value, len(group), group_key, instance_key, "Add",
                                 "Div" if mean else "Id", timeout, communication_hint))

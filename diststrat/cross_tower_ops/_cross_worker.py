@@ -84,14 +84,15 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     self._num_packs = num_packs
     self._bucket_bytes = bucket_bytes
     self._timeout = _arguments.seconds("timeout", timeout, allow_none=False)
-    self._cluster = None
+    # (local devices, all devices, worker index, number of workers), once bound.
+    self._cluster: Optional[tuple[tuple[str, ...], tuple[str, ...], int, int]] = None
 
   @property
-  def scheme(self):
+  def scheme(self) -> str:
     return self._scheme
 
   @property
-  def timeout(self):
+  def timeout(self) -> float:
     return self._timeout
 
   def __repr__(self):
@@ -144,13 +145,13 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     results = [None] * len(value_destination_pairs)
     if flat:
       columns = [tuple(value_destination_pairs[i][0].get(d) for d in local) for i in flat]
-      for i, column in zip(flat, self._flat(local, all_devices, columns, mean)):
-        results[i] = _wrapped.Mirrored(dict(zip(local, column)))
+      for i, column in zip(flat, self._flat(local, all_devices, columns, mean), strict=True):
+        results[i] = _wrapped.Mirrored(dict(zip(local, column, strict=True)))
     rest = [i for i in range(len(results)) if results[i] is None]
     if rest:
       sums = [self._local_sum(value_destination_pairs[i][0]) for i in rest]
       totals = self._across_workers(sums, mean)
-      for i, total in zip(rest, totals):
+      for i, total in zip(rest, totals, strict=True):
         results[i] = _base.mirror(total, value_destination_pairs[i][1],
                                   source_device=local[0])
     return results
@@ -248,12 +249,12 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
           reduced.append((self._leaders_sum(flat),))
       reduced = [r for (r,) in _collective.run_together(reduced, local[:1])]
       totals = [None] * len(tensors)
-      for bucket, total in zip(plan, reduced):
+      for bucket, total in zip(plan, reduced, strict=True):
         if len(bucket) == 1:
           totals[bucket[0]] = total
           continue
         parts = tf.split(total, [tensors[i].shape.num_elements() for i in bucket])
-        for i, part in zip(bucket, parts):
+        for i, part in zip(bucket, parts, strict=True):
           totals[i] = tf.reshape(part, tensors[i].shape)
     return totals
 

@@ -88,7 +88,7 @@ def _flatten_items(items):
   signature = []
   for value, destinations in items:
     components = []
-    for device, component in zip(value.devices, value.values):
+    for device, component in zip(value.devices, value.values, strict=True):
       parts = _component_tensors(component)
       flat.extend(parts)
       components.append((device, isinstance(component, tf.IndexedSlices),
@@ -113,7 +113,7 @@ def _unflatten_items(flat, signature):
 def _flatten_results(results, destinations_list):
   outputs = []
   kinds = []
-  for result, destinations in zip(results, destinations_list):
+  for result, destinations in zip(results, destinations_list, strict=True):
     for device in destinations:
       component = result.get(device)
       parts = _component_tensors(component)
@@ -151,7 +151,7 @@ def _relabel(outputs, kinds, destinations_list):
     for device in destinations:
       wanted.extend([device] * (next(kinds) or 1))
   wrong = collections.defaultdict(list)
-  for i, (tensor, device) in enumerate(zip(outputs, wanted)):
+  for i, (tensor, device) in enumerate(zip(outputs, wanted, strict=True)):
     if tensor.device != device:
       wrong[device].append(i)
   if not wrong:
@@ -160,6 +160,6 @@ def _relabel(outputs, kinds, destinations_list):
   for device, positions in wrong.items():
     with tf.device(device):
       relabelled = tf.raw_ops.IdentityN(input=[outputs[i] for i in positions])
-    for i, tensor in zip(positions, relabelled):
+    for i, tensor in zip(positions, relabelled, strict=True):
       outputs[i] = tensor
   return outputs

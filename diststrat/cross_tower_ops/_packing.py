@@ -70,12 +70,12 @@ class Packing:
   def unpack(self, chunks):
     """The inverse of `pack`: the chunks (one device's) back as tensors of the plan's shapes."""
     parts = [[] for _ in self._sizes]
-    for chunk, segments in zip(chunks, self._segments):
+    for chunk, segments in zip(chunks, self._segments, strict=True):
       pieces = [chunk] if len(segments) == 1 else tf.split(chunk, [s[2] for s in segments])
-      for (j, _, _), piece in zip(segments, pieces):
+      for (j, _, _), piece in zip(segments, pieces, strict=True):
         parts[j].append(piece)
     tensors = []
-    for pieces, shape in zip(parts, self._shapes):
+    for pieces, shape in zip(parts, self._shapes, strict=True):
       if not pieces:  # An empty tensor holds no elements of any chunk.
         tensors.append(tf.zeros(shape, chunks[0].dtype))
       else:

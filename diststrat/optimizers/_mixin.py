@@ -1,14 +1,21 @@
 """`DistributedOptimizerMixin`: the cross-tower half of training with an optimizer."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import errors
 from diststrat.optimizers import _optimizer
 
+# The mixin goes before `Optimizer` in a subclass's bases; the type checker reads it as
+# an `Optimizer` subclass, so that it knows what `super()` and `self` have.
+if TYPE_CHECKING:
+  _MixinBase = _optimizer.Optimizer
+else:
+  _MixinBase = object
 
-class DistributedOptimizerMixin:
+
+class DistributedOptimizerMixin(_MixinBase):
   """Makes an `Optimizer` subclass distribution-aware. Put it first in the bases.
 
   Model code in each tower calls `compute_gradients` and `apply_gradients` as on one
@@ -75,7 +82,7 @@ class DistributedOptimizerMixin:
     update_ops = [
         distribution.group(distribution.update(
             v, lambda component, grad: self._apply_one(grad, component), g))
-        for g, (_, v) in zip(reduced, pairs)]  # One op each: their devices differ.
+        for g, (_, v) in zip(reduced, pairs, strict=True)]  # One op each: their devices differ.
     finish = distribution.update_non_slot(distribution.non_slot_devices(var_list),
                                           self._finish, update_ops, name or self.name)
     if global_step is not None:

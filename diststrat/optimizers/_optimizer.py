@@ -2,7 +2,7 @@
 
 import contextlib
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from diststrat._tf import tf
 from diststrat import _context
@@ -136,7 +136,8 @@ class Optimizer(tf.Module):
       grads = tape.gradient(loss, [as_tf_variable(v) for v in var_list])
       if not _is_one(scale):
         grads = [_scale(g, scale) for g in grads]
-    return [(g, v) for g, v in zip(grads, var_list) if g is not None]
+    # strict=False: as before for a var_list the caller gave as an iterator.
+    return [(g, v) for g, v in zip(grads, var_list, strict=False) if g is not None]
 
   @tf.autograph.experimental.do_not_convert
   def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
@@ -260,7 +261,7 @@ class Optimizer(tf.Module):
 
   def variables(self) -> list[Any]:
     """Every variable of the optimizer's state: slots, then non-slot variables."""
-    result = []
+    result: list[Any] = []
     for name in sorted(self._state.slots):
       result.extend(slot for _, slot in self._state.slots[name].values())
     result.extend(getattr(self, n) for n in self._state.non_slot_names)

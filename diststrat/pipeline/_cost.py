@@ -334,11 +334,11 @@ def _einsum_flops(op):
     return None
   inputs = equation.replace(" ", "").split("->")[0].split(",")
   sizes = {}
-  for letters, tensor in zip(inputs, op.inputs):
+  for letters, tensor in zip(inputs, op.inputs, strict=False):  # An estimate never raises.
     dims = tensor.shape.as_list() if tensor.shape.rank is not None else []
     if len(dims) != len(letters):
       return None
-    for letter, d in zip(letters, dims):
+    for letter, d in zip(letters, dims, strict=True):
       sizes[letter] = d or 1
   if not re.fullmatch(r"[a-zA-Z]*", "".join(inputs)):
     return None

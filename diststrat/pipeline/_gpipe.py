@@ -15,7 +15,7 @@ stage-s device, so reads take the tower's own copy there.
 import contextlib
 import numbers
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from diststrat._tf import tf
 from diststrat import _context
@@ -85,69 +85,71 @@ class GPipe(tf.Module):
     self._num_micro_batches = _check_micro_batches(num_micro_batches)
     self._recompute = bool(recompute)
     self._partition = _check_partition(partition, len(self._layers), num_stages)
-    self._sizes = None if self._partition == "cost" else list(self._partition)
-    self._stage_costs = None
-    self._strategy = None  # The strategy the layers were built under.
-    self._pending_build = None
+    self._sizes: Optional[list[int]] = (None if self._partition == "cost"
+                                        else list(self._partition))
+    self._stage_costs: Optional[list[Optional[float]]] = None
+    self._strategy: Any = None  # The strategy the layers were built under.
+    # (input shape, dtype) of the build a tower asked for, done in cross-tower context.
+    self._pending_build: Optional[tuple[Any, Any]] = None
 
   # --- what the pipeline is ---
 
   @property
-  def layers(self):
+  def layers(self) -> list[Any]:
     """The layers, in order."""
     return list(self._layers)
 
   @property
-  def devices(self):
+  def devices(self) -> Any:
     """The stage devices: a tuple, or, for several towers, a dict tower device -> tuple."""
     if list(self._pipelines) == [None]:
       return self._pipelines[None]
     return dict(self._pipelines)
 
   @property
-  def num_micro_batches(self):
+  def num_micro_batches(self) -> int:
     return self._num_micro_batches
 
   @property
-  def recompute(self):
+  def recompute(self) -> bool:
     return self._recompute
 
   @property
-  def built(self):
+  def built(self) -> bool:
     return self._strategy is not None
 
   @property
-  def stage_sizes(self):
+  def stage_sizes(self) -> list[int]:
     """The number of layers in each stage."""
-    self._check_partitioned("stage_sizes")
-    return list(self._sizes)
+    return list(self._check_partitioned("stage_sizes"))
 
   @property
-  def stages(self):
+  def stages(self) -> list[list[Any]]:
     """The layers of each stage: a list of lists."""
     self._check_partitioned("stages")
     return [self._layers[a:b] for a, b in self._ranges()]
 
   @property
-  def stage_costs(self):
+  def stage_costs(self) -> list[Optional[float]]:
     """Each stage's estimated FLOPs for one micro-batch (None where unknown).
 
     For one example when the pipeline was built with an unknown batch size.
     """
     self._check_built("stage_costs")
+    assert self._stage_costs is not None  # `_build` sets it before the pipeline is built.
     return list(self._stage_costs)
 
   @property
-  def trainable_variables(self):
+  def trainable_variables(self) -> list[Any]:
     """The layers' trainable variables, in layer order."""
     return _unique([v for layer in self._layers for v in _layer_variables(layer, True)])
 
   @property
-  def non_trainable_variables(self):
+  def non_trainable_variables(self) -> list[Any]:
     return _unique([v for layer in self._layers for v in _layer_variables(layer, False)])
 
   @property
-  def variables(self):
+  def variables(self) -> list[Any]:
     return self.trainable_variables + self.non_trainable_variables
 
   def __repr__(self):
@@ -256,12 +258,14 @@ class GPipe(tf.Module):
       yield start, start + size
       start += size
 
-  def _check_partitioned(self, what):
+  def _check_partitioned(self, what: str) -> list[int]:
+    """The number of layers in each stage; raises if the layers are not partitioned yet."""
     if self._sizes is None:
       raise errors.ContextError(
           f"GPipe.{what} is known once the layers are partitioned, which partition='cost' "
           "does when the pipeline is built. Call pipe.build(input_shape) or call the "
           "pipeline on a batch first.")
+    return self._sizes
 
   def _check_built(self, what):
     if not self.built:

@@ -218,10 +218,10 @@ def _replayed_state(stage, before):
     yield
     return
   now = [tf.identity(v) for v in stage.state]
-  for v, value in zip(stage.state, before):
+  for v, value in zip(stage.state, before, strict=True):
     v.assign(value)
   yield
-  for v, value in zip(stage.state, now):
+  for v, value in zip(stage.state, now, strict=True):
     v.assign(value)
 
 

@@ -105,7 +105,7 @@ class MirroredStrategy(DistributionStrategy):
     return f"MirroredStrategy(devices={list(self._devices)})"
 
   @property
-  def cross_tower_ops(self):
+  def cross_tower_ops(self) -> "cross_tower_ops.CrossTowerOps":
     """The `CrossTowerOps` that does this strategy's reductions."""
     return self._get_cross_tower_ops()
 

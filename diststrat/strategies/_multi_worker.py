@@ -121,12 +121,12 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
   # --- the cluster ---
 
   @property
-  def is_chief(self):
+  def is_chief(self) -> bool:
     """True in worker 0: the process that should write checkpoints and summaries."""
     return self._worker_index == 0
 
   @property
-  def num_workers(self):
+  def num_workers(self) -> int:
     return self._num_workers
 
   # --- variables: mirrored on this worker's towers, initial values from the chief ---
@@ -169,8 +169,9 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
     components = self._unwrap(value)
     if all(getattr(c, "shape", None) is not None and c.shape.rank == 0 for c in components):
       components, axis = [tf.reshape(c, [1]) for c in components], 0  # Stacked, as locally.
+    # strict=False: as before for a plain value, whose one component is the first device's.
     gathered = self._cross_tower_ops.gather(_wrapped.PerDevice(
-        dict(zip(self._devices, components))), axis)
+        dict(zip(self._devices, components, strict=False))), axis)
     if destinations is None:
       return gathered
     return self._broadcast(gathered, destinations)

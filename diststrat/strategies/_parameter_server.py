@@ -68,7 +68,7 @@ class VariablePlacer:
     self._count = 0
 
   @property
-  def loads(self):
+  def loads(self) -> dict[str, int]:
     """Elements placed so far on each device."""
     return dict(self._elements)
 
@@ -204,7 +204,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     _check_cache_reads(cache_reads, in_cluster=cluster_spec is not None)
     self._cache_reads = cache_reads
     self._cache_reads_max_bytes = _check_max_bytes(cache_reads_max_bytes)
-    self._last_read_cache_stats = None
+    self._last_read_cache_stats: Optional[dict[str, int]] = None
     self._cluster_spec = cluster_spec
     self._task_type = task_type
     self._task_id = task_id
@@ -256,14 +256,14 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
             f"ps_devices={list(self._ps_devices)})")
 
   @property
-  def placer(self):
+  def placer(self) -> "VariablePlacer":
     """The `VariablePlacer` (its `loads` shows the elements per parameter device)."""
     return self._placer
 
   # --- cluster mode ---
 
   @property
-  def cache_reads(self):
+  def cache_reads(self) -> bool:
     """Whether each `call_for_each_tower` reads each PS variable once (cluster mode).
 
     Settable; a `tf.function` traced before keeps the reads it traced.
@@ -271,14 +271,14 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     return self._cache_reads
 
   @cache_reads.setter
-  def cache_reads(self, value):
+  def cache_reads(self, value: Optional[bool]) -> None:
     if value is None:
       value = self._cluster is not None
     _check_cache_reads(value, in_cluster=self._cluster is not None)
     self._cache_reads = value
 
   @property
-  def last_read_cache_stats(self):
+  def last_read_cache_stats(self) -> Optional[dict[str, int]]:
     """What the read cache of the last `call_for_each_tower` did, for debugging.
 
     A dict: `fills` (variables read from a PS), `hits` (uses served from a value read
@@ -291,12 +291,12 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     return None if self._last_read_cache_stats is None else dict(self._last_read_cache_stats)
 
   @property
-  def step_timeout(self):
+  def step_timeout(self) -> Optional[float]:
     """Cluster mode: seconds a `run_step` step may take before `ClusterError` (or None)."""
     return self._cluster.guard.timeout if self._cluster is not None else None
 
   @step_timeout.setter
-  def step_timeout(self, seconds):
+  def step_timeout(self, seconds: Optional[float]) -> None:
     if self._cluster is None:
       raise ValueError("step_timeout applies to cluster mode only (this "
                        f"{self!r} runs in one process).")

@@ -35,7 +35,8 @@ _JOIN_TIMEOUT = 30.0
 """Seconds to wait for a paused tower to unwind after the call failed."""
 
 logger = logging.getLogger("diststrat")
-_abandoned = []  # Tower threads still running their code when their call failed.
+# Tower threads still running their code when their call failed.
+_abandoned: list[threading.Thread] = []
 _abandoned_lock = threading.Lock()
 
 

@@ -18,7 +18,7 @@ tower's id hashed in. See docs/keras.md.
 """
 
 import threading
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 import weakref
 
 import numpy as np
@@ -27,6 +27,9 @@ from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _tf_internal
 from diststrat.values import _wrapped
+
+if TYPE_CHECKING:  # _strategy imports this module: no import at run time.
+  from diststrat._strategy import DistributionStrategy
 
 _VARIABLE_VALUE = "VARIABLE_VALUE"  # The key a plain tf.Variable saves its value under.
 
@@ -38,7 +41,8 @@ def _in_real_tower():
 
 # --- which strategy made a plain variable ---------------------------------------------
 
-_creators = {}  # id(plain variable) -> the strategy that made it (entries die with it)
+# id(plain variable) -> the strategy that made it (entries die with it)
+_creators: dict[int, Any] = {}
 _creators_lock = threading.Lock()
 
 
@@ -86,7 +90,7 @@ class VariableRules:
 
 
 _NO_RULES = VariableRules()
-_rules_finders = []
+_rules_finders: list[Callable[[], Optional[VariableRules]]] = []
 
 
 def add_rules_finder(finder):
@@ -144,14 +148,14 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     return self.primary
 
   @property
-  def distribution_strategy(self):
+  def distribution_strategy(self) -> Optional["DistributionStrategy"]:
     """The strategy that created this variable (None if unknown)."""
     return self._strategy
 
   # --- tf.Variable's properties, from the component ---
 
   @property
-  def name(self):
+  def name(self) -> str:
     return self.primary.name
 
   @property
@@ -163,56 +167,56 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     return _tf_internal.unique_id(self.primary)
 
   @property
-  def dtype(self):
+  def dtype(self) -> tf.DType:
     return self.primary.dtype
 
   @property
-  def shape(self):
+  def shape(self) -> tf.TensorShape:
     return self.primary.shape
 
   def get_shape(self) -> tf.TensorShape:
     return self.primary.get_shape()
 
   @property
-  def trainable(self):
+  def trainable(self) -> bool:
     return self.primary.trainable
 
   @property
-  def synchronization(self):
+  def synchronization(self) -> tf.VariableSynchronization:
     return self.primary.synchronization
 
   @property
-  def aggregation(self):
+  def aggregation(self) -> tf.VariableAggregation:
     return self._aggregation
 
   @property
-  def constraint(self):
+  def constraint(self) -> Any:
     return self.primary.constraint
 
   @property
-  def device(self):
+  def device(self) -> str:
     return self._component().device
 
   @property
-  def handle(self):
+  def handle(self) -> Any:
     return self._component().handle
 
   @property
-  def graph(self):
+  def graph(self) -> Any:
     return self.primary.graph
 
   @property
-  def op(self):
+  def op(self) -> Any:
     return self._component().op
 
   @property
-  def initializer(self):
+  def initializer(self) -> Any:
     if tf.executing_eagerly():
       return None
     return tf.group(*[c.initializer for c in self._index.values()])
 
   @property
-  def initial_value(self):
+  def initial_value(self) -> Any:
     return self.primary.initial_value
 
   @property
@@ -431,7 +435,8 @@ class MirroredVariable(DistributedVariable):
         weights = strategy.unwrap(weight)
         weights = weights * len(parts) if len(weights) == 1 else weights
         weighted = {}
-        for device, part, w in zip(strategy.worker_devices, parts, weights):
+        # strict=False: `parts` has one component when every tower gave the same tensor.
+        for device, part, w in zip(strategy.worker_devices, parts, weights, strict=False):
           with tf.device(device):
             # multiply_no_nan: a tower that got no example weighs 0 and may hold NaN.
             weighted[device] = tf.math.multiply_no_nan(part, w)

@@ -28,7 +28,7 @@ class DistributedValues:
     if not isinstance(index, dict) or not index:
       raise ValueError(f"{type(self).__name__} takes a non-empty dict from device to value. "
                        f"Received: {index!r}")
-    self._index = {}
+    self._index: dict[str, Any] = {}
     for device, value in index.items():
       key = _devices.canonicalize(device)
       if key in self._index:
@@ -105,7 +105,7 @@ class _NestedValues(DistributedValues):
   @classmethod
   def __tf_unflatten__(cls, metadata, components):
     wrapped_class, devices = metadata
-    return wrapped_class(dict(zip(devices, components)))
+    return wrapped_class(dict(zip(devices, components, strict=True)))
 
 
 class PerDevice(_NestedValues):
@@ -144,8 +144,9 @@ class BatchParts(PerDevice):
   def __tf_unflatten__(cls, metadata, components):
     wrapped_class, devices, sized = metadata
     if sized:
-      return wrapped_class(dict(zip(devices, components[:-1])), global_size=components[-1])
-    return wrapped_class(dict(zip(devices, components)))
+      return wrapped_class(dict(zip(devices, components[:-1], strict=True)),
+                           global_size=components[-1])
+    return wrapped_class(dict(zip(devices, components, strict=True)))
 
 
 def batch_shares(structure):
@@ -161,10 +162,10 @@ def batch_shares(structure):
   total = parts.global_size
   if all(isinstance(n, int) for n in sizes) and (total is None or isinstance(total, int)):
     total = sum(sizes) if total is None else total
-    return {d: (n / total if total else 0.0) for d, n in zip(parts.devices, sizes)}
+    return {d: (n / total if total else 0.0) for d, n in zip(parts.devices, sizes, strict=True)}
   counts = [tf.cast(tf.shape(p)[0], tf.float32) for p in parts.values]
   total = tf.add_n(counts) if total is None else tf.cast(total, tf.float32)
-  return {d: tf.math.divide_no_nan(c, total) for d, c in zip(parts.devices, counts)}
+  return {d: tf.math.divide_no_nan(c, total) for d, c in zip(parts.devices, counts, strict=True)}
 
 
 def _implicit_device():
@@ -196,7 +197,9 @@ def _describe(structure):
   if structure is None:
     return "None"
   if _is_namedtuple(structure):
-    inner = ", ".join(f"{k}={_describe(v)}" for k, v in zip(structure._fields, structure))
+    # strict=False: a message never fails, whatever tuple subclass claims `_fields`.
+    inner = ", ".join(f"{k}={_describe(v)}"
+                      for k, v in zip(structure._fields, structure, strict=False))
     return f"{type(structure).__name__}({inner})"
   if isinstance(structure, tuple):
     return "(" + ", ".join(_describe(v) for v in structure) + ("," if len(structure) == 1 else "") + ")"
@@ -277,9 +280,9 @@ def _regroup(items, devices, roots, wrap_class):
     return first
   container = container_of(first)
   if container is not None and len(container.devices) == len(items) and all(
-      item is container.get(d) for item, d in zip(items, container.devices)):
+      item is container.get(d) for item, d in zip(items, container.devices, strict=True)):
     return container
-  return wrap_class(dict(zip(devices, items)))
+  return wrap_class(dict(zip(devices, items, strict=True)))
 
 
 def flatten(structure):
