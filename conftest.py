@@ -21,6 +21,13 @@ tf.config.set_logical_device_configuration(
 
 CPUS = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(NUM_CPUS)]
 
+# The suite starts dozens of LocalClusters one after another: they share one fork server
+# (its TensorFlow import paid once), which stops when pytest exits. Each cluster's tasks
+# are still fresh forks; tests/test_forkserver.py covers a cluster's own server.
+from diststrat.cluster import _local_cluster  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_local_cluster.share_fork_server(True)
+
 
 @pytest.fixture
 def no_thread_leak():
@@ -53,12 +60,19 @@ def _children(pid):
 
 @pytest.fixture
 def no_child_left():
-  """Fails the test if it leaves a child process behind (15 s to exit)."""
+  """Fails the test if it leaves a child process behind (15 s to exit).
+
+  The clusters' shared fork server lives until pytest exits (see above): its children are
+  the tasks, which must be gone too.
+  """
   before = set(_children(os.getpid()))
   yield
   deadline = time.monotonic() + 15
   while True:
-    left = set(_children(os.getpid())) - before
+    server = _local_cluster.shared_fork_server_pid()
+    left = set(_children(os.getpid())) - before - {server}
+    if server is not None:
+      left |= set(_children(server))
     if not left or time.monotonic() > deadline:
       break
     time.sleep(0.1)

@@ -220,6 +220,10 @@ class ClusterConnection:
         tf.config.experimental_connect_to_cluster(
             view, job_name=self.task_type, task_index=self.task_id, protocol="grpc")
         tf.config.list_logical_devices()  # The real connection: remote device discovery.
+        # Work sent before a reconnect (to a task that died or froze since) can fail
+        # after it, asynchronously (a function registration, say): such an error
+        # belongs to the old connection, not to the next op on this one.
+        tf.experimental.async_clear_error()
 
     try:
       self.guard.run(connect, f"connecting {self.local_task} to the cluster", probe=False)

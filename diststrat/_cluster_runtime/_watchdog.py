@@ -110,8 +110,9 @@ def _probe_function(device):
 
 class _Job:
 
-  def __init__(self, fn):
+  def __init__(self, fn, epoch):
     self.fn = fn
+    self.epoch = epoch  # The guard's connection when the call started.
     self.done = threading.Event()
     self.result = None
     self.error = None
@@ -135,6 +136,7 @@ class _HelperThread:
         job = self.jobs.get(timeout=1.0)
       except queue.Empty:
         continue
+      guard._local.epoch = job.epoch  # pylint: disable=protected-access
       try:
         job.result = job.fn()
       except BaseException as e:  # pylint: disable=broad-except
@@ -182,6 +184,10 @@ class StepGuard:
     self._helper = None
     self._lock = threading.Lock()
     self._failure = None  # The first cluster fault seen since connecting (a TF error).
+    # Which connection: `clear_failure` (connecting again) starts a new one. A call that
+    # started before it (abandoned at its timeout, still running in a helper thread)
+    # may fail after it; that fault is the old connection's, and is not recorded.
+    self._epoch = 0
     _live_guards.add(self)
 
   def check_healthy(self, what):
@@ -194,6 +200,7 @@ class StepGuard:
 
   def clear_failure(self):
     """Forgets the fault seen: called when connecting again."""
+    self._epoch += 1
     self._failure = None
 
   def wait_for(self, wait, what="waiting for the operations sent to the cluster"):
@@ -232,11 +239,13 @@ class StepGuard:
       return self._call_translating(fn, what, probe)
     if self.timeout is None:
       self._local.inside = True
+      self._local.epoch = self._epoch
       try:
         return self._call_translating(fn, what, probe)
       finally:
         self._local.inside = False
-    job = _Job(fn)
+        del self._local.epoch
+    job = _Job(fn, self._epoch)
     with self._lock:
       if self._helper is None:
         self._helper = _HelperThread(self, name=f"diststrat-step-{id(self):x}")
@@ -299,8 +308,8 @@ class StepGuard:
         task is None and status is None and self._blame_silent_peers and isinstance(
             error, tf.errors.DeadlineExceededError)):
       # Every peer answers, yet the collective timed out: they did not join it.
-      if record and self._failure is None:
-        self._failure = error
+      if record:
+        self._record(error)
       task = self.tasks[0] if len(self.tasks) == 1 else None
       message = (f"{self._role}{'s' if len(self.tasks) > 1 else ''} "
                  f"{', '.join(self.tasks)} answer{'' if len(self.tasks) > 1 else 's'} but "
@@ -309,8 +318,8 @@ class StepGuard:
       return errors.ClusterError(message, task=task)
     if task is None and require_task:
       return error
-    if record and self._failure is None:
-      self._failure = error
+    if record:
+      self._record(error)
     who = f"{self._role} {task}" if task else f"A {self._role.lower()}"
     if status == "restarted" or (status is None and
                                  _faults.error_means_task_restarted(error)):
@@ -323,6 +332,11 @@ class StepGuard:
       message = (f"{who} cannot be reached: it died or its network is down ({what} "
                  f"failed: {summary}). {self._advice}")
     return errors.ClusterError(message, task=task)
+
+  def _record(self, error):
+    """Remembers the first fault of this connection (see `check_healthy`)."""
+    if self._failure is None and getattr(self._local, "epoch", self._epoch) == self._epoch:
+      self._failure = error
 
   def _blame(self, error, probe=True):
     """(the task most likely at fault for `error` or None, that task's probe status).

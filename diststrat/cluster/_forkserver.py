@@ -145,8 +145,8 @@ class ForkServer:
     return self
 
   def spawn(self, code: str, argv: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
-            cwd: Optional[str] = None,
-            fds: Optional[Dict[int, int]] = None) -> ForkedProcess:
+            cwd: Optional[str] = None, fds: Optional[Dict[int, int]] = None,
+            prologue: str = "") -> ForkedProcess:
     """A new process that runs `code` as `python -c code *argv` would.
 
     Args:
@@ -155,19 +155,27 @@ class ForkServer:
       env: the child's environment (default: the server's).
       cwd: the child's working directory (default: the server's).
       fds: {fd number in the child: an open fd of this process}, e.g. {1: f.fileno()}
-        for its standard output, {3: sock.fileno()} to hand it a socket. The child's
-        other descriptors are the server's standard streams.
+        for its standard output, {3: sock.fileno()} to hand it a socket. By default the
+        child's standard output and error are this process's (as with `subprocess`),
+        and its standard input is /dev/null.
+      prologue: Python statements the child runs first, while it is still
+        single-threaded (joining a network namespace, say).
     """
-    fds = dict(fds or {})
+    fds = {1: 1, 2: 2, **(fds or {})}
     with self._lock:
       conn, process = self._check_alive()
-      conn.send(("spawn", code, ["-c"] + list(argv), env, cwd, list(fds)))
+      conn.send(("spawn", code, ["-c"] + list(argv), env, cwd, list(fds), prologue))
       for source in fds.values():
         reduction.send_handle(conn, source, process.pid)
       answer = self._receive(_ANSWER_TIMEOUT, "to fork")
     if answer[0] != "spawned":
       raise ForkServerError(f"The fork server could not fork: {answer[1]}")
     return ForkedProcess(self, answer[1])
+
+  def alive(self) -> bool:
+    """Whether the server runs and takes requests."""
+    return (self._conn is not None and self._process is not None and
+            self._process.poll() is None)
 
   def close(self) -> None:
     """Stops the server, which SIGKILLs and reaps every child still running. Bounded."""
@@ -242,7 +250,7 @@ def serve() -> None:
       break  # The parent closed the connection, or died.
     kind = request[0]
     if kind == "spawn":
-      _, code, argv, env, cwd, targets = request
+      _, code, argv, env, cwd, targets, prologue = request
       received = [reduction.recv_handle(conn) for _ in targets]
       sys.stdout.flush()
       sys.stderr.flush()
@@ -252,7 +260,8 @@ def serve() -> None:
         answer = ("failed", str(e))
       else:
         if pid == 0:
-          _run_child(conn, code, argv, env, cwd, dict(zip(targets, received, strict=True)))
+          _run_child(conn, code, argv, env, cwd, dict(zip(targets, received, strict=True)),
+                     prologue)
         children[pid] = None
         answer = ("spawned", pid)
       for fd in received:
@@ -289,7 +298,7 @@ def _reap(children, pid, flags):
   return children.get(pid)
 
 
-def _run_child(conn, code, argv, env, cwd, fds):
+def _run_child(conn, code, argv, env, cwd, fds, prologue):
   """Turns the forked child into `python -c code argv...`; never returns."""
   try:
     server = os.getppid()
@@ -307,6 +316,12 @@ def _run_child(conn, code, argv, env, cwd, fds):
     for target, fd in moved.items():
       os.dup2(fd, target)
       os.close(fd)
+    if 0 not in fds:
+      null = os.open(os.devnull, os.O_RDONLY)
+      os.dup2(null, 0)
+      os.close(null)
+    if prologue:
+      exec(compile(prologue, "<prologue>", "exec"), {})  # pylint: disable=exec-used
     if cwd is not None:
       os.chdir(cwd)
     if env is not None:

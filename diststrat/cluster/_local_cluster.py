@@ -69,6 +69,48 @@ _isolation_warned: list[bool] = []
 def _stop_running_clusters():
   for cluster in list(_running_clusters):
     cluster.stop()
+  share_fork_server(False)
+
+
+class _Shared:
+  """The fork server the clusters of this process share, when they do."""
+  enabled = False
+  server: Optional[_forkserver.ForkServer] = None
+  lock = threading.Lock()
+
+
+def share_fork_server(share: bool) -> None:
+  """Whether the clusters of this process share one fork server (not public).
+
+  By default each `LocalCluster` starts its own fork server and stops it on exit, so
+  nothing outlives the cluster. A process that starts many clusters one after another
+  (a test suite) can share one instead, and save TensorFlow's import (seconds) on each
+  cluster: it starts with the first cluster and stops at interpreter exit, or on
+  `share_fork_server(False)`. Tasks are forks as before: fresh processes, each in its
+  own cluster's network namespace.
+  """
+  with _Shared.lock:
+    _Shared.enabled = share
+    server = None if share else _Shared.server
+    if server is not None:
+      _Shared.server = None
+  if server is not None:
+    server.close()
+
+
+def shared_fork_server_pid() -> Optional[int]:
+  """The process id of the shared fork server while one runs (tests leave it alone)."""
+  return None if _Shared.server is None else _Shared.server.pid
+
+
+def _fork_server(env, timeout):
+  """The fork server of a cluster that starts: the shared one, or one of its own."""
+  with _Shared.lock:
+    if not _Shared.enabled:
+      return _forkserver.ForkServer(_PRELOAD, env).start(timeout)
+    if _Shared.server is None or not _Shared.server.alive():
+      _Shared.server = _forkserver.ForkServer(_PRELOAD, env).start(timeout)
+    return _Shared.server
 
 
 def free_ports(count, host="127.0.0.1"):
@@ -125,12 +167,12 @@ def _describe_exit(returncode):
 class _Child:
   """One task's process (a fork of the cluster's fork server) and the socket pair to it."""
 
-  def __init__(self, server, job, env, name):
+  def __init__(self, server, job, env, name, prologue):
     self.name = name
     parent_end, child_end = socket.socketpair()
     try:
       self.process = server.spawn(_CHILD_MAIN, [str(_CHILD_FD)], env=env,
-                                  fds={_CHILD_FD: child_end.fileno()})
+                                  fds={_CHILD_FD: child_end.fileno()}, prologue=prologue)
     except BaseException:
       parent_end.close()
       raise
@@ -387,10 +429,7 @@ class LocalCluster:
     try:
       deadline = time.monotonic() + self._start_timeout
       self._namespace = self._private_network()
-      prologue = ("" if self._namespace is None
-                  else _isolation.join_code(self._namespace.holder_pid))
-      self._forkserver = _forkserver.ForkServer(
-          _PRELOAD, self._environment("server"), prologue).start(self._start_timeout)
+      self._forkserver = _fork_server(self._environment("server"), self._start_timeout)
       self._ps = [self._start_ps(i) for i in range(self.num_ps)]
       for task_id, child in enumerate(self._ps):
         self._wait_ready(child, task_id, deadline)
@@ -412,7 +451,7 @@ class LocalCluster:
     for child in children:
       if child is not None:
         child.stop()
-    if self._forkserver is not None:
+    if self._forkserver is not None and self._forkserver is not _Shared.server:
       self._forkserver.close()
     if self._namespace is not None:
       self._namespace.close()
@@ -617,7 +656,9 @@ class LocalCluster:
   def _start_child(self, job, name):
     job = dict(job, cluster_spec=self._spec,
                sys_path=[p or os.getcwd() for p in sys.path])
-    return _Child(self._forkserver, job, self._environment(job["kind"]), name)
+    prologue = ("" if self._namespace is None  # Each task joins the cluster's network.
+                else _isolation.join_code(self._namespace.holder_pid))
+    return _Child(self._forkserver, job, self._environment(job["kind"]), name, prologue)
 
   def _start_ps(self, task_id):
     job = {"kind": "ps", "task_type": "ps", "task_id": task_id,

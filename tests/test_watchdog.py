@@ -1,0 +1,55 @@
+"""The step guard (diststrat/_cluster_runtime/_watchdog.py), in this process.
+
+The cluster tests (tests/test_cluster.py, tests/test_ps_faults.py) run it against real
+parameter servers; here, a scripted task and calls, for rules a real fault hits only
+by chance of timing.
+"""
+
+import threading
+
+import pytest
+import tensorflow as tf
+
+from diststrat._cluster_runtime import _watchdog
+from diststrat.errors import ClusterError
+
+PS7 = "/job:ps/replica:0/task:7"  # No other guard of this process names it.
+
+
+def _reset_by_peer():
+  """What TensorFlow raises for a call on a connection to a killed task, translated as
+  TensorFlow's error path translates it (the guard records the fault there)."""
+  error = tf.errors.UnavailableError(None, None, f"{PS7}: recvmsg:Connection reset by peer")
+  return _watchdog.translate_error(error)
+
+
+def test_a_call_abandoned_before_a_reconnect_does_not_fail_the_new_connection():
+  # A step stuck on a frozen task is abandoned at step_timeout; the task is restarted
+  # and the worker reconnects; then the stuck call fails (its old connection is reset).
+  # That fault is the old connection's: the new one stays healthy. (Timing made this
+  # happen in about 1 of 6 runs of tests/test_cluster.py's frozen-PS test.)
+  release, finished = threading.Event(), threading.Event()
+  guard = _watchdog.StepGuard([PS7], probe=lambda task: None, timeout=0.3, name="guard")
+
+  def stuck():
+    try:
+      release.wait(30)
+      raise _reset_by_peer()
+    finally:
+      finished.set()
+
+  with pytest.raises(ClusterError, match="did not finish within step_timeout=0.3 s"):
+    guard.run(stuck, "step 1")
+  guard.clear_failure()  # What reconnect() does first.
+  release.set()
+  assert finished.wait(30)
+  guard.check_healthy("a read after the reconnect")  # Raises nothing.
+
+  def failing():
+    raise _reset_by_peer()
+
+  # A fault of the new connection is recorded as before, and refuses later calls.
+  with pytest.raises(ClusterError, match=f"{PS7}"):
+    guard.run(failing, "step 2")
+  with pytest.raises(ClusterError, match="a read after the fault failed"):
+    guard.check_healthy("a read after the fault")
