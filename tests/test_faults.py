@@ -56,6 +56,17 @@ def test_error_means_connection_lost(error_type, text, lost):
   assert _faults.error_means_connection_lost(error_type(None, None, text)) is lost, text
 
 
+@pytest.mark.parametrize("text, nothing_listens", [
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:37957: "
+     "Failed to connect to remote host: Connection refused", True),  # A killed task's.
+    ("Socket closed", False),  # A healthy task's stream being re-opened.
+    ("recvmsg:Connection reset by peer", False),  # The old connection of a killed task.
+])
+def test_error_means_nothing_listens(text, nothing_listens):
+  error = tf.errors.UnavailableError(None, None, text)
+  assert _faults.error_means_nothing_listens(error) is nothing_listens, text
+
+
 @pytest.mark.parametrize("error, fault", [
     (tf.errors.UnavailableError(None, None, "Connection refused"), True),
     (tf.errors.DeadlineExceededError(None, None, "Timed out"), True),

@@ -33,7 +33,7 @@ import sync_files
 
 pytestmark = pytest.mark.usefixtures("no_child_left")  # (conftest.py)
 PS0 = "/job:ps/replica:0/task:0"
-STEP_TIMEOUT = 3.0
+STEP_TIMEOUT = 1.5  # Small: every frozen-PS check waits for it once.
 MARGIN = 10.0  # Seconds a bounded call may take beyond its bound on a loaded machine.
 
 

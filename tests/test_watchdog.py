@@ -6,6 +6,7 @@ by chance of timing.
 """
 
 import threading
+import time
 
 import pytest
 import tensorflow as tf
@@ -13,13 +14,13 @@ import tensorflow as tf
 from diststrat._cluster_runtime import _watchdog
 from diststrat.errors import ClusterError
 
-PS7 = "/job:ps/replica:0/task:7"  # No other guard of this process names it.
+PS7, PS8 = "/job:ps/replica:0/task:7", "/job:ps/replica:0/task:8"  # One guard each.
 
 
-def _reset_by_peer():
+def _reset_by_peer(task=PS7):
   """What TensorFlow raises for a call on a connection to a killed task, translated as
-  TensorFlow's error path translates it (the guard records the fault there)."""
-  error = tf.errors.UnavailableError(None, None, f"{PS7}: recvmsg:Connection reset by peer")
+  TensorFlow's error path translates it (the guard that names the task records it)."""
+  error = tf.errors.UnavailableError(None, None, f"{task}: recvmsg:Connection reset by peer")
   return _watchdog.translate_error(error)
 
 
@@ -53,3 +54,26 @@ def test_a_call_abandoned_before_a_reconnect_does_not_fail_the_new_connection():
     guard.run(failing, "step 2")
   with pytest.raises(ClusterError, match="a read after the fault failed"):
     guard.check_healthy("a read after the fault")
+
+
+def test_a_task_whose_address_refuses_connections_is_blamed_at_once():
+  # Nothing listens at a killed task's address: two refusals in a row settle it, where a
+  # task that fails otherwise (a healthy one's "Socket closed") is asked for up to 2 s.
+  probes = []
+
+  def refusing_probe(task):
+    probes.append(task)
+    raise tf.errors.UnavailableError(
+        None, None, "failed to connect to all addresses; last error: UNKNOWN: "
+        "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused")
+
+  guard = _watchdog.StepGuard([PS8], probe=refusing_probe, timeout=10, name="guard")
+
+  def failing():
+    raise _reset_by_peer(PS8)
+
+  start = time.monotonic()
+  with pytest.raises(ClusterError, match=f"Parameter server task {PS8} cannot be reached"):
+    guard.run(failing, "step 1")
+  assert time.monotonic() - start < 1.0  # _BLAME_TIME (2 s) before.
+  assert probes == [PS8, PS8]

@@ -51,6 +51,13 @@ def error_means_connection_lost(error):
   return bool(_CONNECTION_LOST.search(str(error)))
 
 
+def error_means_nothing_listens(error):
+  """Whether an error's text says the task's address refused the connection: no process
+  listens there (it died, or has not started yet). A healthy task never says this;
+  one whose stream TensorFlow is re-opening says "Socket closed" instead."""
+  return "Connection refused" in str(error)
+
+
 def error_means_task_restarted(error):
   """Whether a TensorFlow error says a remote task restarted (its state is gone).
 

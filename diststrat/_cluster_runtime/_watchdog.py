@@ -11,8 +11,10 @@ for it at most `timeout` seconds in the calling thread:
 - `fn` returns: its result is returned.
 - `fn` raises a TensorFlow error that says a task died or restarted: `ClusterError`
   naming the task. Every task is asked (probed, again and again for up to 2 s, since
-  right after a failure TensorFlow may refuse one op to a healthy task); the message,
-  which may name a healthy task that failed to reach the dead one, is the fallback.
+  right after a failure TensorFlow may refuse one op to a healthy task; a task whose
+  address refuses the connection twice in a row has no process listening, and is
+  known dead at once); the message, which may name a healthy task that failed to reach
+  the dead one, is the fallback.
 - `fn` is still running after half the timeout: every task is probed at once, each
   with a tiny op in its own daemon thread. At the timeout, the step is abandoned: the
   helper thread is left blocked (it ends on its own if the task comes back or dies), a
@@ -27,7 +29,7 @@ TensorFlow (`_tf_internal.install_error_translator`), so that an error raised by
 eager op or `tf.function` call of this process (a variable's `assign_add`, a step
 called directly, a checkpoint save) that means a task died or restarted reaches the
 caller as `ClusterError` naming the task, like a guarded call's. A killed task is
-reported within ~2 s; an error that names no task of a live connection, and whose
+reported within a fraction of a second; an error that names no task of a live connection, and whose
 probes blame none, is left as TensorFlow raised it.
 """
 
@@ -418,31 +420,40 @@ class StepGuard:
       if _faults.error_means_task_restarted(e):
         result["status"] = "restarted"
       else:
+        result["refused"] = _faults.error_means_nothing_listens(e)
         result["status"] = (f"cannot be reached ({type(e).__name__}: "
                             f"{_faults.error_summary(e)})")
 
-  def _collect_probes(self, probes, timeout=0.0):
+  def _collect_probes(self, probes, timeout=0.0, refused=None):
+    """{task: status} of `probes`, waited for `timeout` s in all; adds to the set
+    `refused` (if given) the tasks whose address refused the connection."""
     deadline = time.monotonic() + timeout
     statuses = {}
     for task, (thread, result) in (probes or {}).items():
       thread.join(max(0.0, deadline - time.monotonic()))
       statuses[task] = result.get("status", "does not answer")
+      if refused is not None and result.get("refused"):
+        refused.add(task)
     return statuses
 
   def _probe_all(self, timeout):
     """{task: status} within `timeout` s; a task that fails is asked again until then.
 
     Right after a failed step, TensorFlow may refuse an op to a healthy task once
-    ("Socket closed") while it re-opens its stream; a task only counts as unreachable
-    if it never answers.
+    ("Socket closed") while it re-opens its stream, so a task that fails counts as
+    unreachable only if it never answers, or if its address refuses the connection
+    twice in a row (nothing listens there: no need to wait out the time).
     """
     deadline = time.monotonic() + timeout
-    statuses, pending = {}, list(self.tasks)
+    statuses, pending, refused_before = {}, list(self.tasks), set()
     while True:
+      refused = set()
       results = self._collect_probes(self._start_probes(pending),
-                                     max(0.1, deadline - time.monotonic()))
+                                     max(0.1, deadline - time.monotonic()), refused)
       statuses.update(results)
-      pending = [t for t, s in results.items() if s.startswith("cannot be reached")]
+      pending = [t for t, s in results.items() if s.startswith("cannot be reached") and
+                 not (t in refused and t in refused_before)]
+      refused_before = refused
       if not pending or time.monotonic() + _PROBE_RETRY > deadline:
         return statuses
       time.sleep(_PROBE_RETRY)
