@@ -5,6 +5,7 @@ repository so that the doctests of the package get them too.
 """
 
 import os
+import subprocess
 import threading
 import time
 
@@ -77,3 +78,23 @@ def no_child_left():
       break
     time.sleep(0.1)
   assert not left, f"child processes left behind: {sorted(left)}"
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_marked(request, monkeypatch):
+  """A test that starts a process must be marked `processes`: `make test-fast` leaves
+  those out, so it must know them. Any other test that tries fails here, by name."""
+  if request.node.get_closest_marker("processes") is not None:
+    yield
+    return
+
+  def refuse(*args, **kwargs):
+    del kwargs
+    raise AssertionError(
+        f"{request.node.nodeid} starts a process ({str(args)[:120]}) but is not marked: "
+        "add @pytest.mark.processes (or pytestmark = pytest.mark.processes in its module).")
+
+  monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+  monkeypatch.setattr(os, "fork", refuse)
+  monkeypatch.setattr(os, "posix_spawn", refuse)
+  yield

@@ -15,7 +15,7 @@ task, those that raised anything else, and those that raised but were registered
 latest checkpoint anyway.
 
 Usage:
-  python benchmarks/ps_faults.py                      # about 10 minutes on 2 cores
+  python benchmarks/ps_faults.py                      # about 2-3 minutes on 2 cores
   python benchmarks/ps_faults.py --repeats=1 --kills=5
 """
 

@@ -308,7 +308,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     In cluster mode the step runs under the watchdog: in a helper thread that the
     calling thread waits for at most `step_timeout` seconds. A PS task that died or
     restarted makes the step raise `diststrat.errors.ClusterError` naming the task
-    (within ~2 s: the failed op, then asking each task which one failed); a PS task
+    (within a fraction of a second: the failed op, then asking each task which one failed); a PS task
     that stops answering (frozen) makes it raise `ClusterError` naming that task after
     `step_timeout`, with a warning on the "diststrat" logger, and the blocked step is
     abandoned. `fn` runs in this strategy's
