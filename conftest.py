@@ -80,6 +80,16 @@ def no_child_left():
   assert not left, f"child processes left behind: {sorted(left)}"
 
 
+def pytest_collection_modifyitems(items):
+  """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), every test
+  that starts processes runs in one worker, one after another as without xdist: their
+  bounds (timeouts, fault detection) are measured with no second cluster competing for
+  the cores. The other tests share both workers."""
+  for item in items:
+    if item.get_closest_marker("processes") is not None:
+      item.add_marker(pytest.mark.xdist_group("processes"))
+
+
 @pytest.fixture(autouse=True)
 def _processes_are_marked(request, monkeypatch):
   """A test that starts a process must be marked `processes`: `make test-fast` leaves

@@ -464,6 +464,7 @@ def _shape_mismatch_fn(strategy):
 # --- tests -----------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_variables_live_on_ps_tasks_and_behave_as_tf_variables(tmp_path):
   with _cluster(num_ps=2, variable_placement="round_robin") as cluster:
@@ -483,6 +484,7 @@ def test_variables_live_on_ps_tasks_and_behave_as_tf_variables(tmp_path):
   assert r["keras"] == ([ps0, ps1], [True, True])  # Keras 3 layers make shared variables too.
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_an_eager_read_sees_the_slice_assignment_before_it():
   # The read runs in the watchdog's helper thread: without waiting for this process's
@@ -491,6 +493,7 @@ def test_an_eager_read_sees_the_slice_assignment_before_it():
     assert cluster.run_on_workers(_slice_assign_then_read_fn) == [0]
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_optimizers_on_shared_variables_match_plain_variables():
   with _cluster(num_ps=2) as cluster:
@@ -501,6 +504,7 @@ def test_optimizers_on_shared_variables_match_plain_variables():
     assert global_step == 6 and slots_on_ps, key
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_existing_variables_keep_their_values_names_are_unique_slow_steps_time_out():
   with _cluster() as cluster:
@@ -520,6 +524,7 @@ def test_existing_variables_keep_their_values_names_are_unique_slow_steps_time_o
   assert task is None and 1.0 <= elapsed < 2.5
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_two_workers_lose_no_update():
   with _cluster(num_workers=2) as cluster:
@@ -528,6 +533,7 @@ def test_two_workers_lose_no_update():
   assert all(500 <= f <= 1000 for f in finals), finals
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_restarted_worker_continues_from_current_values(tmp_path):
   with _cluster(num_workers=2) as cluster:
@@ -572,6 +578,7 @@ def _fault_and_restart(cluster, sync_dir, task_type, task_id, sig):
   return _in_background(run)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_killed_ps_raises_cluster_error_then_restart_and_restore_resume(tmp_path):
   sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
@@ -597,6 +604,7 @@ def test_killed_ps_raises_cluster_error_then_restart_and_restore_resume(tmp_path
   assert r["global_step"] == 60
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_every_path_to_a_killed_ps_raises_cluster_error_naming_it(tmp_path):
   sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
@@ -620,6 +628,7 @@ def test_every_path_to_a_killed_ps_raises_cluster_error_naming_it(tmp_path):
   assert r["after_reconnect"] == pytest.approx(1.0 * 5.0 + 2.0 * 6.0)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_frozen_ps_is_reported_by_the_watchdog(tmp_path):
   sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
@@ -654,6 +663,7 @@ def _touch_variable_fn(strategy, sync_dir):
     time.sleep(0.05)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_connecting_to_a_dead_or_frozen_ps_fails_within_step_timeout():
   with _cluster(step_timeout=3.0) as cluster:
@@ -673,6 +683,7 @@ def test_connecting_to_a_dead_or_frozen_ps_fails_within_step_timeout():
   assert frozen_time < 60
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_a_crashed_ps_is_reported_with_its_signal(tmp_path):
   with _cluster(step_timeout=5.0) as cluster:
@@ -689,6 +700,7 @@ def test_a_crashed_ps_is_reported_with_its_signal(tmp_path):
   assert info.value.task == PS0
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_local_cluster_errors_and_cleanup(tmp_path):
   with pytest.raises(ValueError, match="num_ps must be a non-negative integer. Received: "
@@ -854,6 +866,7 @@ def _read_cache_fn(strategy):
   return out
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_reads_are_cached_per_step_with_the_same_training():
   with LocalCluster(1, 1, cpus_per_worker=2, start_timeout=60, result_timeout=100,

@@ -565,6 +565,7 @@ def test_runtime_error_names_the_ops_and_method():
     Failing().reduce("sum", value)
 
 
+@pytest.mark.processes
 def test_collectives_run_when_one_result_is_used_and_time_out_with_advice():
   # An aborted collective breaks every later one in its process: run them in their own.
   code = textwrap.dedent("""

@@ -12,6 +12,7 @@ sys.path.insert(0, str(REPO / "examples"))
 import digits as demo  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("loop,bar", [("fit", "Epoch 2/2"), ("custom", "epoch 2/2")])
 def test_command_line_prints_the_report(loop, bar):
@@ -58,6 +59,7 @@ def test_batch_larger_than_the_data_is_rejected():
     demo.train(demo.Config(towers=1, epochs=1, batch_size=5000))
 
 
+@pytest.mark.processes
 def test_ps_strategy_trains_on_a_local_cluster():
   """--strategy=ps: one PS process and one worker process running model.fit."""
   result = demo.train(demo.Config(strategy="ps", seed=1, epochs=12))
@@ -66,6 +68,7 @@ def test_ps_strategy_trains_on_a_local_cluster():
   assert result["accuracy"] >= 0.95
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("loop", ["fit", "custom"])
 def test_multi_worker_strategy_trains_on_two_worker_processes(loop):
@@ -94,6 +97,7 @@ def test_unknown_loop_is_rejected():
     demo.train(demo.Config(towers=1, epochs=1, loop="keras"))
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_multi_worker_demo_under_the_launcher():
   """diststrat-run --workers 2 examples/digits.py --strategy=multi_worker: worker 0

@@ -33,6 +33,7 @@ import pytest
 
 from diststrat.cluster import _forkserver
 
+pytestmark = pytest.mark.processes
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
 TIMEOUT = 600

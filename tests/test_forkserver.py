@@ -11,7 +11,7 @@ import pytest
 
 from diststrat.cluster import _forkserver
 
-pytestmark = pytest.mark.usefixtures("no_child_left")  # (conftest.py)
+pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("no_child_left")]  # (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import diststrat as ds
 from diststrat import _tf
 
 
+@pytest.mark.processes
 def test_missing_tensorflow_says_which_pip_install():
   code = ("import sys; sys.modules['tensorflow'] = None\n"
           "try:\n  import diststrat\nexcept ImportError as e:\n  print('ERR', e)\n")

@@ -384,6 +384,7 @@ class _Affine(tf.Module):
     return tf.matmul(x, self.w) + self.b
 
 
+@pytest.mark.processes
 def test_saved_models_serve_without_diststrat(tmp_path):
   x = np.arange(12, dtype="float32").reshape(3, 4) / 10.0
   rng = np.random.default_rng(0)

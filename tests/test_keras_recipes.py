@@ -184,6 +184,7 @@ def _evaluate_per_worker_fn(strategy, weights, sync_dir):
   return {k: float(v) for k, v in logs.items()}, metric_devices
 
 
+@pytest.mark.processes
 def test_keras_metrics_stay_per_worker_in_a_ps_cluster(tmp_path):
   """On main: the metric variables are shared on the PS, worker 1's reset and batches land
   in worker 0's logs."""
@@ -439,6 +440,7 @@ def _file_callbacks_fn(strategy, out_dir):
           "towers": strategy.num_towers}
 
 
+@pytest.mark.processes
 def test_file_callbacks_write_once_across_worker_processes(tmp_path):
   """The chief writes to the user's paths, worker 1 to a scratch directory that is gone
   after fit; a custom step output is averaged over every tower of every worker.

@@ -401,6 +401,7 @@ def _run_tasks(script, environs, cwd, timeout=JOB_TIMEOUT):
     _assert_none_left(marker)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 def test_a_slurm_step_runs_parameter_server_strategy_and_serve(tmp_path):
   """Three processes with Slurm's variables: rank 0 serves, ranks 1 and 2 count."""
@@ -436,6 +437,7 @@ def test_a_slurm_step_runs_parameter_server_strategy_and_serve(tmp_path):
   assert counts == ["40 worker 0 1", "40 worker 1 1"]
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 def test_a_slurm_step_runs_multi_worker_mirrored_strategy(tmp_path):
   script = _write(tmp_path, "slurm_mw.py", """
@@ -463,6 +465,7 @@ def test_a_slurm_step_runs_multi_worker_mirrored_strategy(tmp_path):
 # --- jobs ------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 def test_multi_worker_job_trains_like_one_process(tmp_path):
   script = _write(tmp_path, "train.py", _TRAIN_MWMS)
@@ -476,6 +479,7 @@ def test_multi_worker_job_trains_like_one_process(tmp_path):
                              rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 def test_parameter_server_job_shares_variables(tmp_path):
   script = _write(tmp_path, "count.py", _COUNT_PS)
@@ -487,6 +491,7 @@ def test_parameter_server_job_shares_variables(tmp_path):
   assert "[ps:0]" in proc.stdout + proc.stderr  # The PS task's output is streamed too.
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 30)
 def test_a_killed_worker_restarts_the_job_which_resumes_from_its_checkpoint(tmp_path):
   script = _write(tmp_path, "train.py", _TRAIN_MWMS)
@@ -502,6 +507,7 @@ def test_a_killed_worker_restarts_the_job_which_resumes_from_its_checkpoint(tmp_
                              rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(3 * JOB_TIMEOUT + 30)
 def test_keras_fit_with_backup_and_restore_resumes_after_a_killed_worker(tmp_path):
   script = _write(tmp_path, "fit.py", _FIT_MWMS)
@@ -525,6 +531,7 @@ def test_keras_fit_with_backup_and_restore_resumes_after_a_killed_worker(tmp_pat
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 def test_a_job_on_hosts_runs_and_says_it_is_not_isolated(tmp_path):
   script = _write(tmp_path, "hello.py", """
@@ -597,6 +604,7 @@ def test_a_taken_port_in_process_warns_of_no_isolate(tmp_path, capfd):
   assert "[worker:" not in out + err  # Nothing started.
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_a_task_that_exits_at_once_stops_the_job(tmp_path):
   script = _write(tmp_path, "fail.py", """
@@ -613,6 +621,7 @@ def test_a_task_that_exits_at_once_stops_the_job(tmp_path):
   assert time.monotonic() - start < 100  # Not the worker's 600 s sleep.
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(90)
 def test_a_taken_port(tmp_path):
   script = _write(tmp_path, "ok.py", "print('hi')\n")
@@ -652,6 +661,7 @@ def _start_and_wait_ready(args, cwd, marker, count):
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
 @pytest.mark.parametrize("sig, ps", [(signal.SIGINT, 0), (signal.SIGTERM, 0),
                                      (signal.SIGKILL, 1)])
+@pytest.mark.processes
 def test_a_signalled_launcher_leaves_nothing_behind(tmp_path, sig, ps):
   script = _write(tmp_path, "sleep.py", _SLEEPER)
   marker = uuid.uuid4().hex

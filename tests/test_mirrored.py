@@ -573,6 +573,7 @@ except tf.errors.InvalidArgumentError as e:
 """
 
 
+@pytest.mark.processes
 def test_an_error_in_one_member_ends_the_collective_without_a_timeout():
   """In a fresh process: TensorFlow then aborts every later collective of the process
   (docs/cross_tower_ops.md), which would break the tests that follow."""

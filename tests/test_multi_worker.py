@@ -271,6 +271,7 @@ def _touch(path):
 # --- tests -------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_two_workers_of_two_towers_train_like_one_device():
   with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, result_timeout=TIMEOUT) as c:
@@ -291,6 +292,7 @@ def test_two_workers_of_two_towers_train_like_one_device():
           np.testing.assert_allclose(w, ref_w, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_checkpoints_move_between_worker_counts_mirrored_and_no_strategy(tmp_path):
   with LocalCluster(num_ps=0, num_workers=2, result_timeout=TIMEOUT) as c:
@@ -343,6 +345,7 @@ def _inject(cluster, sync_dir, fault):
   return thread
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(2 * TIMEOUT)
 @pytest.mark.parametrize("fault", ["kill", "freeze", "stop_calling"])
 def test_a_failed_worker_is_named_in_every_other_worker(tmp_path, fault):
@@ -379,6 +382,7 @@ def test_a_failed_worker_is_named_in_every_other_worker(tmp_path, fault):
     assert isinstance(raised, ClusterError) and "was killed by signal SIGKILL (exit status -9)" in str(raised)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_restart_and_restore_resume_training(tmp_path):
   sync_dir, checkpoint_dir = tmp_path / "sync", tmp_path / "ckpt"
@@ -397,6 +401,7 @@ def test_restart_and_restore_resume_training(tmp_path):
   assert first[0]["last_loss"] == pytest.approx(first[1]["last_loss"], rel=1e-6)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_device(tmp_path):
   import keras  # pylint: disable=import-outside-toplevel
@@ -487,6 +492,7 @@ def _long_run_fn(strategy, steps):
           "w": w.numpy().tolist()}
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_a_long_run_keeps_threads_flat_at_the_defaults():
   """5,000 steps on 2 workers: TensorFlow's per-collective timeout threads would add

@@ -696,6 +696,7 @@ def test_strategy_errors():
 # --- the benchmark's trace and memory figures: stages overlap, recompute saves memory --
 
 
+@pytest.mark.processes
 def test_benchmark_trace_shows_stages_running_at_once_and_recompute_saves_memory(tmp_path):
   out = tmp_path / "pipeline.json"
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0")

@@ -31,7 +31,7 @@ from diststrat.cluster import LocalCluster
 from diststrat.errors import ClusterError
 import sync_files
 
-pytestmark = pytest.mark.usefixtures("no_child_left")  # (conftest.py)
+pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("no_child_left")]  # (conftest.py)
 PS0 = "/job:ps/replica:0/task:0"
 STEP_TIMEOUT = 1.5  # Small: every frozen-PS check waits for it once.
 MARGIN = 10.0  # Seconds a bounded call may take beyond its bound on a loaded machine.

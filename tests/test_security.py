@@ -37,6 +37,7 @@ def _namespaces_allowed():
     return False
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_a_local_cluster_is_unreachable_from_outside_it():
   assert _namespaces_allowed(), (
@@ -51,6 +52,7 @@ def test_a_local_cluster_is_unreachable_from_outside_it():
     assert sorted(cluster.run_on_workers(_count_fn, n=5))[-1] == 10.0
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_without_isolation_any_local_process_reaches_the_ps():
   with ds.cluster.LocalCluster(num_ps=1, num_workers=1, isolate=False,

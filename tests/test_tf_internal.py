@@ -701,6 +701,7 @@ def _run_python(code, timeout=120):
                         timeout=timeout).stdout
 
 
+@pytest.mark.processes
 def test_enable_cross_process_collectives_and_check_peer_health():
   out = _run_python(_ONE_TASK_COLLECTIVE)
   assert "SUM 2.0" in out, _broke("enable_cross_process_collectives", out)
@@ -792,6 +793,7 @@ def test_deferred_checkpoint_value(tmp_path):
   assert float(saved.variable) == 3.0
 
 
+@pytest.mark.processes
 def test_probe_tf_server():
   import socket  # pylint: disable=g-import-not-at-top
   with socket.socket() as s:  # A port nothing listens on (closed again at once).
@@ -998,6 +1000,7 @@ except tf.errors.UnavailableError as e:
 """
 
 
+@pytest.mark.processes
 def test_abort_collectives_and_function_runs_collectives():
   out = _run_python(_ABORT_A_BLOCKED_COLLECTIVE, timeout=60)
   assert "ABORTED True" in out, _broke("abort_collectives", out)
