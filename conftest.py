@@ -80,14 +80,22 @@ def no_child_left():
   assert not left, f"child processes left behind: {sorted(left)}"
 
 
+# Modules whose tests measure bounds (timeouts, fault detection, how long a kill takes to
+# be seen): under pytest-xdist their process tests run in one worker, one after another.
+_BOUNDS_MODULES = ("test_cluster", "test_ps_faults", "test_multi_worker", "test_forkserver",
+                   "test_security", "test_tf_internal", "test_pipeline")
+
+
 def pytest_collection_modifyitems(items):
-  """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), every test
-  that starts processes runs in one worker, one after another as without xdist: their
-  bounds (timeouts, fault detection) are measured with no second cluster competing for
-  the cores. The other tests share both workers."""
+  """`make test` runs two pytest-xdist workers (`--dist loadgroup`). The tests that start
+  processes and measure bounds form one group: one worker runs them one after another,
+  as without xdist, so no second cluster of theirs competes for the cores while they
+  time a fault. Every other test (in-process ones, doc pages, demo and launcher runs)
+  goes to whichever worker is free."""
   for item in items:
-    if item.get_closest_marker("processes") is not None:
-      item.add_marker(pytest.mark.xdist_group("processes"))
+    if (item.get_closest_marker("processes") is not None and
+        item.module.__name__.rsplit(".", 1)[-1] in _BOUNDS_MODULES):
+      item.add_marker(pytest.mark.xdist_group("bounds"))
 
 
 @pytest.fixture(autouse=True)
