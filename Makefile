@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test test-fast lint demo bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The whole suite on two pytest-xdist workers. The tests that start processes and time
+# bounds run in one worker, one after another (conftest.py); the rest share both. Every
+# run ends with its 25 slowest tests (--durations, pyproject.toml).
+XDIST := -n 2 --dist loadgroup
+
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# The edit-test loop: every test that starts no process (about a minute and a half).
+test-fast: install
+	$(PY) -m pytest $(XDIST) -m "not processes" $(PYTEST_ARGS)
 
 # pyflakes and bugbear (ruff) over the code, the tests, benchmarks and examples; the
 # package's types (mypy). Both are configured in pyproject.toml.

@@ -94,6 +94,7 @@ def pytest_collection_modifyitems(items):
   goes to whichever worker is free."""
   for item in items:
     if (item.get_closest_marker("processes") is not None and
+        getattr(item, "module", None) is not None and
         item.module.__name__.rsplit(".", 1)[-1] in _BOUNDS_MODULES):
       item.add_marker(pytest.mark.xdist_group("bounds"))
 
