@@ -58,7 +58,8 @@ LAYERS = [
                     "strategies"]),
     ("integrations", ["_keras._variable_rules", "_keras._file_callbacks", "_keras._bridge",
                       "_keras"]),
-    ("applications", ["cluster._forkserver", "cluster._isolation", "cluster._serve", "cluster._task",
+    ("applications", ["cluster._isolation", "cluster._processes", "cluster._forkserver",
+                      "cluster._serve", "cluster._task", "cluster._job",
                       "cluster._local_cluster", "cluster", "cluster._child", "run",
                       "pipeline._partition", "pipeline._cost", "pipeline._schedule",
                       "pipeline._gpipe", "pipeline", "values", ""]),
@@ -362,3 +363,52 @@ def test_no_file_cites_a_document_outside_the_repository():
         if outside.search(line):
           cited.append(f"{path.relative_to(root)}:{number}: {line.strip()[:80]}")
   assert not cited, "\n".join(cited)
+
+
+# --- one process layer ---------------------------------------------------------------
+
+PROCESS_LAYER = ("cluster._processes", "cluster._isolation", "cluster._forkserver")
+_STARTS_OR_SIGNALS = {
+    "subprocess": {"Popen", "run", "call", "check_call", "check_output", "getoutput",
+                   "getstatusoutput"},
+    "os": {"fork", "forkpty", "kill", "killpg", "system", "popen", "posix_spawn",
+           "posix_spawnp", "execv", "execve", "execvp", "execvpe", "execl", "execle",
+           "execlp", "execlpe", "spawnv", "spawnve", "spawnl", "spawnle", "setns",
+           "unshare", "waitpid"},
+    "multiprocessing": {"Process", "Pool", "get_context", "set_start_method"},
+}
+_KERNEL_CALLS = ("prctl", "setns", "unshare")  # Through ctypes: the orphan policy, networks.
+
+
+def _process_calls(text):
+  """The process-starting, -signalling and -reaping calls a module's source makes."""
+  found = []
+  for node in ast.walk(ast.parse(text)):
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+      if node.attr in _STARTS_OR_SIGNALS.get(node.value.id, ()):
+        found.append(f"{node.value.id}.{node.attr}")
+    elif isinstance(node, ast.ImportFrom) and node.module in _STARTS_OR_SIGNALS:
+      found += [f"{node.module}.{a.name}" for a in node.names
+                if a.name in _STARTS_OR_SIGNALS[node.module]]
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+      found += [f"{call} (in a string)" for call in _KERNEL_CALLS
+                if re.search(rf"\b{call}\(", node.value)]
+  return found
+
+
+@pytest.mark.parametrize("module", sorted(set(MODULES) - set(PROCESS_LAYER)))
+def test_only_the_process_layer_starts_or_signals_processes(module):
+  """LocalCluster and diststrat-run start, signal and reap processes through
+  cluster/_processes.py (and its fork server and network namespaces): one process layer,
+  one orphan policy (docs/architecture.md)."""
+  calls = _process_calls(MODULES[module].read_text())
+  assert not calls, (f"diststrat.{module} starts or signals processes itself ({calls}): "
+                     "do it through diststrat/cluster/_processes.py")
+
+
+@pytest.mark.parametrize("line", ["import subprocess\nsubprocess.Popen(['x'])\n",
+                                  "import os\nos.killpg(1, 9)\n",
+                                  "from multiprocessing import Process\n",
+                                  "code = 'libc.prctl(1, 9)'\n"])
+def test_the_process_layer_check_catches(line):
+  assert _process_calls(line)

@@ -550,7 +550,8 @@ def test_a_job_on_hosts_runs_and_says_it_is_not_isolated(tmp_path):
   for i in range(2):
     assert f"[worker:{i}] task worker {i} {spec}" in proc.stdout
     assert f"[worker:{i}] argv [{str(script)!r}, 'a', 'b'] True __main__ []" in proc.stdout
-  assert "a job across machines (--hosts) cannot run in a private network" in proc.stderr
+  assert ("diststrat-run: WARNING: a job across machines cannot run in a private network: "
+          "TensorFlow's servers listen on every interface") in proc.stderr
 
 
 # --- bad launches: fast, named, nothing left ------------------------------------------
@@ -600,7 +601,8 @@ def test_a_taken_port_in_process_warns_of_no_isolate(tmp_path, capfd):
   assert status == 1, err
   assert (f"The port of task worker:1 (127.0.0.1:{port}) is taken by another process"
           in err)
-  assert "--no-isolate: the TensorFlow servers of the job's tasks listen on every" in err
+  assert ("diststrat-run: WARNING: --no-isolate: the job runs without a private network. "
+          "TensorFlow's servers listen on every interface") in err
   assert "[worker:" not in out + err  # Nothing started.
 
 

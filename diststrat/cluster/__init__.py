@@ -7,10 +7,16 @@ strategies use inside each process is `diststrat/_cluster_runtime/`.
 
 One file per concept:
 
-- `_local_cluster.py`: `LocalCluster`, the launcher (child processes, ports, faults).
-- `_child.py`: what a child process runs (a server, or one worker's function).
+- `_processes.py`: the process layer. Every process diststrat starts is started,
+  signalled and described there (with `_forkserver.py`, fresh processes forked without
+  TensorFlow's import, and `_isolation.py`, private network namespaces), under one
+  orphan policy: a task dies with its parent.
+- `_local_cluster.py`: `LocalCluster` (its tasks, ports, faults); `_child.py`: what one
+  of its tasks runs (a server, or one worker's function).
+- `_job.py`: a job of a script's tasks on this host, as `diststrat-run` (its command
+  line: `diststrat/run.py`) runs it; `_task.py`: what such a task runs after its
+  prologue.
 - `_serve.py`: `serve()`, a parameter server's process (and `LocalCluster`'s PS tasks).
-- `_task.py`: what a task of `diststrat-run` runs before the user's program.
 
 `cluster_from_environment()` and `cluster_from_slurm()` read the cluster the strategies
 use when given no cluster arguments (`TF_CONFIG`, else Slurm's variables); they live in

@@ -33,7 +33,6 @@ The parent talks to the server over a socket pair, one request at a time (`spawn
 from typing import Dict, Optional, Sequence
 
 import builtins
-import ctypes
 import fcntl
 import importlib
 import importlib.machinery
@@ -49,9 +48,8 @@ from multiprocessing import connection
 from multiprocessing import reduction
 
 from diststrat import errors
+from diststrat.cluster import _processes
 
-_PR_SET_PDEATHSIG = 1
-_ORPHANED_EXIT = 3
 _POLL = 0.01
 _ANSWER_TIMEOUT = 30.0  # Seconds the server may take to answer one request.
 _SERVER_MAIN = "from diststrat.cluster import _forkserver; _forkserver.serve()"
@@ -102,15 +100,12 @@ class ForkServer:
   Args:
     preload: modules the server imports once (its children find them imported).
     env: the server's environment (default: this process's).
-    prologue: Python statements the server runs before anything else (joining a
-      network namespace, say); its children inherit what they set up.
   """
 
-  def __init__(self, preload: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
-               prologue: str = "") -> None:
+  def __init__(self, preload: Sequence[str] = (),
+               env: Optional[Dict[str, str]] = None) -> None:
     self._preload = list(preload)
     self._env = dict(os.environ if env is None else env)
-    self._prologue = prologue
     self._lock = threading.Lock()
     self._conn: Optional[connection.Connection] = None
     self._process: Optional[subprocess.Popen] = None
@@ -125,9 +120,8 @@ class ForkServer:
     env = dict(self._env, DISTSTRAT_FORKSERVER_FD=str(child_end.fileno()),
                DISTSTRAT_FORKSERVER_PRELOAD=",".join(self._preload))
     try:
-      self._process = subprocess.Popen(
-          [sys.executable, "-c", self._prologue + _SERVER_MAIN],
-          pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL)
+      self._process = _processes.start_python(_SERVER_MAIN, env=env,
+                                              pass_fds=(child_end.fileno(),))
     except BaseException:
       parent_end.close()
       raise
@@ -241,6 +235,7 @@ def serve() -> None:
   for name in filter(None, os.environ.pop("DISTSTRAT_FORKSERVER_PRELOAD").split(",")):
     importlib.import_module(name)
   conn.send(("ready",))
+  server_pid = os.getpid()
   children: Dict[int, Optional[int]] = {}
   answer: tuple  # (kind, detail): what the server sends back for each request.
   while True:
@@ -261,7 +256,7 @@ def serve() -> None:
       else:
         if pid == 0:
           _run_child(conn, code, argv, env, cwd, dict(zip(targets, received, strict=True)),
-                     prologue)
+                     prologue, server_pid)
         children[pid] = None
         answer = ("spawned", pid)
       for fd in received:
@@ -298,16 +293,13 @@ def _reap(children, pid, flags):
   return children.get(pid)
 
 
-def _run_child(conn, code, argv, env, cwd, fds, prologue):
+def _run_child(conn, code, argv, env, cwd, fds, prologue, server_pid):
   """Turns the forked child into `python -c code argv...`; never returns."""
   try:
-    server = os.getppid()
-    if sys.platform.startswith("linux"):
-      libc = ctypes.CDLL(None, use_errno=True)
-      if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL)) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-      if os.getppid() != server:
-        os._exit(_ORPHANED_EXIT)  # The server died before the line above took effect.
+    # Dies with the server (the process layer's orphan policy), then whatever the caller's
+    # prologue does; first, while the child is single-threaded.
+    prologue = _processes.prologue(server_pid) + prologue
+    exec(compile(prologue, "<prologue>", "exec"), {})  # pylint: disable=exec-used
     conn.close()
     # Out of the way first, so that no target number overwrites a source.
     moved = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, 10 + max(fds)) for target, fd in fds.items()}
@@ -320,8 +312,6 @@ def _run_child(conn, code, argv, env, cwd, fds, prologue):
       null = os.open(os.devnull, os.O_RDONLY)
       os.dup2(null, 0)
       os.close(null)
-    if prologue:
-      exec(compile(prologue, "<prologue>", "exec"), {})  # pylint: disable=exec-used
     if cwd is not None:
       os.chdir(cwd)
     if env is not None:

@@ -45,9 +45,10 @@ import weakref
 from multiprocessing import connection
 
 from diststrat import errors
-from diststrat._cluster_runtime import _exposure
 from diststrat.cluster import _forkserver
-from diststrat.cluster import _isolation
+from diststrat.cluster import _processes
+from diststrat.cluster._processes import free_ports
+from diststrat.cluster._processes import task_name
 
 DEFAULT_START_TIMEOUT = 120.0
 DEFAULT_RESULT_TIMEOUT = 600.0
@@ -62,7 +63,7 @@ STRATEGIES = ("parameter_server", "multi_worker")
 
 _running_clusters: "weakref.WeakSet[LocalCluster]" = weakref.WeakSet()
 _logger = logging.getLogger("diststrat")
-_isolation_warned: list[bool] = []
+_network_warned: list[bool] = []
 
 
 @atexit.register
@@ -113,20 +114,6 @@ def _fork_server(env, timeout):
     return _Shared.server
 
 
-def free_ports(count, host="127.0.0.1"):
-  """`count` distinct TCP ports that are free on `host` right now."""
-  sockets = []
-  try:
-    for _ in range(count):
-      sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-      sock.bind((host, 0))
-      sockets.append(sock)
-    return [sock.getsockname()[1] for sock in sockets]
-  finally:
-    for sock in sockets:
-      sock.close()
-
-
 def _check_host(host):
   """`host` if this machine can resolve it, else `ValueError` naming it."""
   if not isinstance(host, str) or not host:
@@ -146,22 +133,6 @@ def _is_loopback(host):
                for info in socket.getaddrinfo(host, None))
   except (socket.gaierror, ValueError):
     return False
-
-
-def task_name(task_type, task_id):
-  return f"/job:{task_type}/replica:0/task:{task_id}"
-
-
-def _describe_exit(returncode):
-  if returncode is None:
-    return "is still running"
-  if returncode < 0:
-    try:
-      return (f"was killed by signal {signal.Signals(-returncode).name} (exit status "
-              f"{returncode})")
-    except ValueError:
-      return f"was killed by signal {-returncode} (exit status {returncode})"
-  return f"exited with code {returncode}"
 
 
 class _Child:
@@ -280,7 +251,7 @@ class _WorkerRun:
         continue
       if payload[0] == "died":
         error = errors.ClusterError(
-            f"Worker task {name} {_describe_exit(payload[1])} before returning a result "
+            f"Worker task {name} {_processes.describe_exit(payload[1])} before returning a result "
             "(its output, if any, is above).", task=name)
       else:
         _, pickled, type_name, message, text = payload
@@ -378,7 +349,7 @@ class LocalCluster:
           f"host must be a loopback address such as '127.0.0.1'. Received: host={host!r}. "
           "Use host='127.0.0.1', or isolate=False to reach the tasks over the network.")
     self._isolate = isolate
-    self._namespace: Optional[_isolation.Namespace] = None
+    self._network = _processes.Network(None)
     self._forkserver: Optional[_forkserver.ForkServer] = None
     self._processes_lock = threading.RLock()
     self._spec: Optional[dict[str, list[str]]] = None  # Set by `start`.
@@ -400,7 +371,7 @@ class LocalCluster:
   @property
   def isolated(self) -> bool:
     """Whether the cluster's processes run in a private network namespace (once started)."""
-    return self._namespace is not None
+    return self._network.namespace is not None
 
   @property
   def cluster_spec(self) -> dict[str, list[str]]:
@@ -428,7 +399,7 @@ class LocalCluster:
         del self._spec["ps"]
     try:
       deadline = time.monotonic() + self._start_timeout
-      self._namespace = self._private_network()
+      self._network = self._private_network()
       self._forkserver = _fork_server(self._environment("server"), self._start_timeout)
       self._ps = [self._start_ps(i) for i in range(self.num_ps)]
       for task_id, child in enumerate(self._ps):
@@ -453,8 +424,7 @@ class LocalCluster:
         child.stop()
     if self._forkserver is not None and self._forkserver is not _Shared.server:
       self._forkserver.close()
-    if self._namespace is not None:
-      self._namespace.close()
+    self._network.close()
     _running_clusters.discard(self)
 
   def pid(self, task_type: str, task_id: int) -> Optional[int]:
@@ -588,7 +558,7 @@ class LocalCluster:
     for task_id, child in children:
       if child is not None and child.exited():
         errors.add_note(error, f"(parameter server task {task_name('ps', task_id)} "
-                        f"{_describe_exit(child.process.returncode)}; its error output, if "
+                        f"{_processes.describe_exit(child.process.returncode)}; its error output, if "
                         "any, is above)")
 
   # --- processes ---
@@ -626,38 +596,31 @@ class LocalCluster:
     if env.get("PYTHONPATH"):
       paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    if kind == "ps":
-      env["CUDA_VISIBLE_DEVICES"] = ""  # Variables live on the PS CPU; leave GPUs alone.
-    env[_exposure.ISOLATED_ENV] = "1" if self._namespace is not None else "0"
-    return env
+    return _processes.task_environment(env, kind, self._network)
 
   def _private_network(self):
-    """The private network namespace of the cluster's processes, or None (see `isolate`)."""
-    if self._isolate is False or not _is_loopback(self._host):
-      return None
+    """The network of the cluster's processes (see `isolate`), with a warning (once per
+    process) when they have no private one and it was not asked for."""
     try:
-      return _isolation.Namespace.create()
+      network = _processes.private_network(self._isolate, _is_loopback(self._host),
+                                           "LocalCluster")
     except OSError as e:
-      if self._isolate:
-        raise errors.ClusterError(
-            "LocalCluster(isolate=True) runs its processes in a private network namespace, "
-            f"which this system does not allow: {e}. Allow unprivileged user namespaces "
-            "(sysctl kernel.unprivileged_userns_clone=1, or the container's seccomp "
-            "profile), or use isolate=None to run without it (docs/security.md).") from e
-      if not _isolation_warned:
-        _isolation_warned.append(True)
-        _logger.warning(
-            "LocalCluster could not give its processes a private network (%s), so its "
-            "TensorFlow servers are reachable by anyone who can reach this machine's "
-            "ports, and run any graph they send. Run on a machine whose ports are closed "
-            "to others, or allow unprivileged user namespaces; see docs/security.md.", e)
-      return None
+      raise errors.ClusterError(
+          "LocalCluster(isolate=True) runs its processes in a private network namespace, "
+          f"which this system does not allow: {e}. Allow unprivileged user namespaces "
+          "(sysctl kernel.unprivileged_userns_clone=1, or the container's seccomp "
+          "profile), or use isolate=None to run without it (docs/security.md).") from e
+    if network.warning is not None and self._isolate is None and not _network_warned:
+      _network_warned.append(True)
+      _logger.warning("LocalCluster: %s", network.warning)
+    return network
 
   def _start_child(self, job, name):
     job = dict(job, cluster_spec=self._spec,
                sys_path=[p or os.getcwd() for p in sys.path])
-    prologue = ("" if self._namespace is None  # Each task joins the cluster's network.
-                else _isolation.join_code(self._namespace.holder_pid))
+    # Each task joins the cluster's network (and dies with the fork server, as each of
+    # its children does).
+    prologue = _processes.join_code(self._network.namespace)
     return _Child(self._forkserver, job, self._environment(job["kind"]), name, prologue)
 
   def _start_ps(self, task_id):
@@ -674,7 +637,7 @@ class LocalCluster:
         return
       if exited:
         raise errors.ClusterError(
-            f"Parameter server {name} {_describe_exit(child.process.returncode)} while "
+            f"Parameter server {name} {_processes.describe_exit(child.process.returncode)} while "
             "starting (its error output is above).", task=name)
     raise errors.ClusterError(
         f"Parameter server {name} did not start within start_timeout="
