@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import diststrat as ds
-from diststrat._cluster_runtime import _shared_variables
+from diststrat._cluster_runtime.parameter_server import _shared_variables
 from diststrat.cluster import LocalCluster
 from diststrat.errors import ClusterError
 import read_cache_cases as cases

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from diststrat import _tf_internal
-from diststrat._cluster_runtime import _collective_watchdog
+from diststrat._cluster_runtime.multi_worker import _collective_watchdog
 
 PEERS = ("/job:worker/replica:0/task:1", "/job:worker/replica:0/task:2")
 

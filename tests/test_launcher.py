@@ -375,8 +375,12 @@ def test_serve_needs_a_cluster(monkeypatch):
     monkeypatch.delenv(name)
   with pytest.raises(ValueError, match=r"serve\(\) needs a cluster: set TF_CONFIG"):
     ds.cluster.serve()
-  with pytest.raises(ValueError, match="task_type and task_id must name one"):
+  with pytest.raises(ValueError, match=r"task_id must be an index into cluster_spec\['ps'\], "
+                     r"from 0 to 0. Received: task_id=1"):
     ds.cluster.serve({"ps": ["127.0.0.1:1"]}, "ps", 1)
+  with pytest.raises(ValueError, match=r"task_type must name a job of cluster_spec, one of "
+                     r"\['ps'\]. Received: task_type='chief'"):
+    ds.cluster.serve({"ps": ["127.0.0.1:1"]}, "chief", 0)
 
 
 def _run_tasks(script, environs, cwd, timeout=JOB_TIMEOUT):

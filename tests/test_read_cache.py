@@ -1,4 +1,4 @@
-"""Read caching of parameter-server variables (diststrat/_cluster_runtime/_read_cache.py), in one
+"""Read caching of parameter-server variables (diststrat/_cluster_runtime/parameter_server/_read_cache.py), in one
 process.
 
 A cluster worker's caching is reproduced here without a cluster: `_CachingStrategy` makes
@@ -18,8 +18,8 @@ import tensorflow as tf
 
 import diststrat as ds
 from diststrat import _arguments
-from diststrat._cluster_runtime import _read_cache
-from diststrat._cluster_runtime import _shared_variables
+from diststrat._cluster_runtime.parameter_server import _read_cache
+from diststrat._cluster_runtime.parameter_server import _shared_variables
 from diststrat.errors import ClusterError
 from diststrat.strategies import _tower_threads
 from conftest import CPUS

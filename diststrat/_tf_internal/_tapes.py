@@ -5,7 +5,7 @@
   tape of the thread while re-materialized stages run (`stop_recording`).
   `tf.custom_gradient` would route every variable it reads through one op on the
   caller's device, copying each stage's weights there every step.
-- Read caching (diststrat/_cluster_runtime/_read_cache.py) hands a tower a value read
+- Read caching (diststrat/_cluster_runtime/parameter_server/_read_cache.py) hands a tower a value read
   earlier instead of reading the variable again, and must make tapes treat it as a read
   of the variable: watch the variable as a read would (`variable_accessed`) and record
   the value as a function of the variable's handle (`record_variable_read`).

@@ -11,7 +11,7 @@ import socket
 import time
 
 from diststrat._tf import tf
-from diststrat._cluster_runtime import _environment
+from diststrat._cluster_runtime import _cluster_spec
 from diststrat._cluster_runtime import _exposure
 
 READY_FD_ENV = "DISTSTRAT_READY_FD"
@@ -87,20 +87,14 @@ def serve(cluster_spec: dict | None = None, task_type: str | None = None,
     ValueError: no task is given and the environment names none, or the task is not in
       the cluster spec.
   """
-  if cluster_spec is None:
-    config = _environment.cluster_from_environment()
-    if config is None:
-      raise ValueError(
-          "diststrat.cluster.serve() needs a cluster: set TF_CONFIG (diststrat-run and "
-          "Kubernetes operators do), run it in a Slurm step of two tasks or more, or pass "
-          "cluster_spec, task_type and task_id. Received: neither TF_CONFIG nor Slurm "
-          "variables.")
-    cluster_spec, task_type, task_id = config.cluster_spec, config.task_type, config.task_id
-  if task_type is None or task_type not in cluster_spec or not isinstance(task_id, int) or not (
-      0 <= task_id < len(cluster_spec[task_type])):
-    raise ValueError(f"serve() runs one task of cluster_spec; task_type and task_id must "
-                     f"name one. Received: task_type={task_type!r}, task_id={task_id!r}, "
-                     f"cluster_spec={cluster_spec!r}")
+  config = _cluster_spec.resolve_cluster(cluster_spec, task_type, task_id, role="server")
+  if config is None:
+    raise ValueError(
+        "diststrat.cluster.serve() needs a cluster: set TF_CONFIG (diststrat-run and "
+        "Kubernetes operators do), run it in a Slurm step of two tasks or more, or pass "
+        "cluster_spec, task_type and task_id. Received: neither TF_CONFIG nor Slurm "
+        "variables.")
+  cluster_spec, task_type, task_id = config.cluster_spec, config.task_type, config.task_id
   server = start_server(cluster_spec, task_type, task_id)
   ready_fd = os.environ.pop(READY_FD_ENV, None)
   if ready_fd:

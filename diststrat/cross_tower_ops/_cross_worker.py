@@ -55,7 +55,7 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     timeout: seconds a call that runs collectives may wait for the other workers before
       it fails, instead of hanging. The collectives themselves carry no timeout
       (TensorFlow would hold a native thread per run for that long): the strategy's
-      watchdog enforces it (diststrat/_cluster_runtime/_collective_watchdog.py).
+      watchdog enforces it (diststrat/_cluster_runtime/multi_worker/_collective_watchdog.py).
 
   Example:
     >>> from diststrat.cross_tower_ops import CrossWorkerAllReduce

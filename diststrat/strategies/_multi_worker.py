@@ -5,9 +5,8 @@ from typing import Any, Optional, Sequence
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
-from diststrat._cluster_runtime import _connection
-from diststrat._cluster_runtime import _environment
-from diststrat._cluster_runtime import _worker_group
+from diststrat._cluster_runtime import _cluster_spec
+from diststrat._cluster_runtime.multi_worker import _worker_group
 from diststrat.cross_tower_ops import _cross_worker
 from diststrat.strategies import _mirrored
 from diststrat.strategies import _tower_threads
@@ -17,7 +16,7 @@ DEFAULT_COLLECTIVE_TIMEOUT = 60.0
 """Seconds a collective across workers waits for the other workers before it fails."""
 
 
-class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.MirroredStrategy):
+class MultiWorkerMirroredStrategy(_cluster_spec.ClusterTaskMixin, _mirrored.MirroredStrategy):
   """Synchronous training across worker processes, variables mirrored on every tower.
 
   The same program runs in every worker process. Each process runs towers on its own
@@ -70,28 +69,23 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
     collective_timeout = _arguments.seconds("collective_timeout", collective_timeout,
                                             allow_none=False)
     _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)  # Before starting.
-    source = None
-    if cluster_spec is None:
-      config = _environment.cluster_from_environment()
-      if config is not None:
-        cluster_spec, task_type, task_id = config.cluster_spec, config.task_type, config.task_id
-        source = config.source
+    config = _cluster_spec.resolve_cluster(cluster_spec, task_type, task_id,
+                                           role="multi_worker")
     if cross_worker_ops is None:
       cross_worker_ops = _cross_worker.CrossWorkerAllReduce(timeout=collective_timeout)
     elif not isinstance(cross_worker_ops, _cross_worker.CrossWorkerAllReduce):
       raise ValueError("cross_worker_ops must be a diststrat.cross_tower_ops."
                        f"CrossWorkerAllReduce. Received: {cross_worker_ops!r}")
-    self._task_type, self._task_id = task_type, task_id
-    if cluster_spec is None:
+    if config is None:
+      self._task_type, self._task_id = task_type, task_id
       self._cluster_spec = None
       self._group = None
       local = _devices.canonicalize_all(devices) if devices else _devices.local_devices()
       every = local
       index, num_workers = 0, 1
     else:
-      spec = _environment.checked(
-          lambda: _connection.normalize_cluster_spec(cluster_spec, task_type, task_id,
-                                                     with_ps=False), source)
+      spec, task_type, task_id = config.cluster_spec, config.task_type, config.task_id
+      self._task_type, self._task_id = task_type, task_id
       self._cluster_spec = spec
       name = f"MultiWorkerMirroredStrategy of /job:{task_type}/replica:0/task:{task_id}"
       self._group = _worker_group.WorkerGroup(spec, task_type, task_id, name,
@@ -99,7 +93,7 @@ class MultiWorkerMirroredStrategy(_connection.ClusterTaskMixin, _mirrored.Mirror
       # The workers start independently (diststrat-run, Slurm, several machines): wait,
       # at most the collective timeout, until every other worker's server is up, so
       # that the first collective does not take a peer still starting for a dead one.
-      _connection.wait_for_servers(
+      _cluster_spec.wait_for_servers(
           [address for job, addresses in spec.items() for i, address in enumerate(addresses)
            if (job, i) != (task_type, task_id)], cross_worker_ops.timeout)
       local = (_devices.canonicalize_all(devices, default=self._group.local_task)

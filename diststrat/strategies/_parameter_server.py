@@ -2,7 +2,6 @@
 
 from typing import Any, Callable, Optional, Sequence, Union
 
-import contextlib
 import itertools
 import numbers
 
@@ -10,13 +9,12 @@ from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _context
 from diststrat import _devices
-from diststrat import _tf_internal
 from diststrat import cross_tower_ops
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
-from diststrat._cluster_runtime import _connection
-from diststrat._cluster_runtime import _environment
-from diststrat._cluster_runtime import _read_cache
+from diststrat._cluster_runtime import _cluster_spec
+from diststrat._cluster_runtime.parameter_server import _read_cache
+from diststrat.strategies import _ps_backends
 from diststrat.strategies import _tower_threads
 from diststrat.values import _variables
 from diststrat.values import _wrapped
@@ -94,32 +92,7 @@ class VariablePlacer:
     return device
 
 
-def _cluster_from_environment():
-  """The PS cluster the environment names for this worker, or None (see `__init__`)."""
-  config = _environment.cluster_from_environment()
-  if config is None:
-    return None
-  where = ("the TF_CONFIG environment variable" if config.source == _environment.TF_CONFIG
-           else "Slurm's variables")
-  if not config.cluster_spec.get(_connection.PS_JOB):
-    hint = ("launch with diststrat-run --ps 1 (or more)" if config.source ==
-            _environment.TF_CONFIG else
-            f"set {_environment.SLURM_NUM_PS_ENV} to the number of PS tasks")
-    raise ValueError(
-        f"ParameterServerStrategy() read its cluster from {where}, which names no "
-        f"parameter server (a 'ps' job). Received: cluster={config.cluster_spec!r}. To "
-        f"train with parameter servers, {hint}; for synchronous training on workers only, "
-        "use MultiWorkerMirroredStrategy().")
-  if config.task_type == _connection.PS_JOB:
-    raise ValueError(
-        f"This process is parameter server task {config.task_id} by {where}, and "
-        "parameter servers run no model code. Run diststrat.cluster.serve() in PS tasks "
-        "instead of the training program (diststrat-run does this itself): see "
-        "docs/launch.md.")
-  return config
-
-
-class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy):
+class ParameterServerStrategy(_cluster_spec.ClusterTaskMixin, DistributionStrategy):
   """Variables on parameter devices, towers on worker devices.
 
   Each variable lives once, on one parameter device chosen by `variable_placement`;
@@ -191,54 +164,37 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
                cache_reads: Optional[bool] = None,
                cache_reads_max_bytes: int = _read_cache.DEFAULT_MAX_BYTES) -> None:
     super().__init__()
-    source = None
-    if cluster_spec is None and ps_devices is None:
-      config = _cluster_from_environment()
-      if config is not None:
-        cluster_spec, task_type, task_id = config.cluster_spec, config.task_type, config.task_id
-        source = config.source
     step_timeout = _arguments.seconds("step_timeout", step_timeout)
     tower_timeout = _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)
+    if cluster_spec is not None and ps_devices is not None:
+      raise ValueError(
+          "ps_devices cannot be given with cluster_spec: in cluster mode the parameter "
+          "devices are the CPUs of the 'ps' tasks of the spec. Received: "
+          f"ps_devices={ps_devices!r}")
+    config = None
+    if ps_devices is None:  # Else one process, whatever the environment says.
+      config = _cluster_spec.resolve_cluster(cluster_spec, task_type, task_id,
+                                             role="parameter_server")
     if cache_reads is None:
-      cache_reads = cluster_spec is not None
-    _check_cache_reads(cache_reads, in_cluster=cluster_spec is not None)
+      cache_reads = config is not None
+    _check_cache_reads(cache_reads, in_cluster=config is not None)
     self._cache_reads = cache_reads
     self._cache_reads_max_bytes = _check_max_bytes(cache_reads_max_bytes)
     self._last_read_cache_stats: Optional[dict[str, int]] = None
-    self._cluster_spec = cluster_spec
-    self._task_type = task_type
-    self._task_id = task_id
-    self._cluster = None
     self._steps = itertools.count(1)
-    if cluster_spec is not None:
-      if ps_devices is not None:
-        raise ValueError(
-            "ps_devices cannot be given with cluster_spec: in cluster mode the parameter "
-            "devices are the CPUs of the 'ps' tasks of the spec. Received: "
-            f"ps_devices={ps_devices!r}")
-      spec = _environment.checked(
-          lambda: _connection.normalize_cluster_spec(cluster_spec, task_type, task_id), source)
-      self._cluster_spec = spec
-      if source is not None:  # Started with its PS tasks (Slurm, Kubernetes): let them start.
-        _connection.wait_for_servers(spec[_connection.PS_JOB],
-                                     step_timeout or DEFAULT_STEP_TIMEOUT)
-      self._cluster = _connection.ClusterConnection(
-          spec, task_type, task_id, step_timeout,
-          name=f"ParameterServerStrategy of /job:{task_type}/replica:0/task:{task_id}")
-      ps_devices = self._cluster.ps_devices
-      if worker_devices is None:
-        worker_devices = self._cluster.local_devices()
-      self._worker_devices_tuple = _devices.check_exist(
-          self._cluster.canonicalize(worker_devices), "worker_devices")
+    self._backend: Union[_ps_backends.LocalBackend, _ps_backends.ClusterBackend]
+    if config is None:
+      self._task_type, self._task_id = task_type, task_id
+      self._backend = _ps_backends.LocalBackend(worker_devices, ps_devices)
     else:
-      if worker_devices is None:
-        worker_devices = _devices.local_devices()
-      if ps_devices is None:
-        ps_devices = (_devices.canonicalize(tf.config.list_logical_devices("CPU")[0].name),)
-      self._worker_devices_tuple = _devices.check_exist(
-          _devices.canonicalize_all(worker_devices), "worker_devices")
-      ps_devices = _devices.check_exist(_devices.canonicalize_all(ps_devices), "ps_devices")
-    self._ps_devices = _devices.canonicalize_all(ps_devices)
+      self._cluster_spec = config.cluster_spec
+      self._task_type, self._task_id = config.task_type, config.task_id
+      # Started with its PS tasks (Slurm, Kubernetes, the launcher): let them start.
+      self._backend = _ps_backends.ClusterBackend(
+          config, worker_devices, step_timeout, wait_for_ps=config.source != "arguments",
+          default_timeout=DEFAULT_STEP_TIMEOUT)
+    self._worker_devices_tuple = self._backend.worker_devices
+    self._ps_devices = self._backend.ps_devices
     if not self._worker_devices_tuple or not self._ps_devices:
       raise ValueError("ParameterServerStrategy needs at least one worker device and one "
                        f"parameter device. Received: worker_devices={worker_devices!r}, "
@@ -249,11 +205,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     self._reducer = cross_tower_ops.ReductionToOneDevice()
 
   def __repr__(self):
-    if self._cluster is not None:
-      return (f"ParameterServerStrategy(task={self._cluster.local_task!r}, "
-              f"ps_tasks={list(self._cluster.ps_tasks)})")
-    return (f"ParameterServerStrategy(worker_devices={list(self._worker_devices_tuple)}, "
-            f"ps_devices={list(self._ps_devices)})")
+    return f"ParameterServerStrategy({self._backend.describe()})"
 
   @property
   def placer(self) -> "VariablePlacer":
@@ -273,8 +225,8 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
   @cache_reads.setter
   def cache_reads(self, value: Optional[bool]) -> None:
     if value is None:
-      value = self._cluster is not None
-    _check_cache_reads(value, in_cluster=self._cluster is not None)
+      value = self._backend.in_cluster
+    _check_cache_reads(value, in_cluster=self._backend.in_cluster)
     self._cache_reads = value
 
   @property
@@ -293,14 +245,11 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
   @property
   def step_timeout(self) -> Optional[float]:
     """Cluster mode: seconds a `run_step` step may take before `ClusterError` (or None)."""
-    return self._cluster.guard.timeout if self._cluster is not None else None
+    return self._backend.step_timeout()
 
   @step_timeout.setter
   def step_timeout(self, seconds: Optional[float]) -> None:
-    if self._cluster is None:
-      raise ValueError("step_timeout applies to cluster mode only (this "
-                       f"{self!r} runs in one process).")
-    self._cluster.guard.timeout = seconds
+    self._backend.set_step_timeout(self, seconds)
 
   def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Runs one training step, `fn(*args, **kwargs)`, and returns its result.
@@ -342,37 +291,11 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
           "it runs a whole step, so call it from the cross-tower context or outside any "
           "strategy, and call call_for_each_tower() inside the step.")
     name = getattr(fn, "__name__", type(fn).__name__)
-    if self._cluster is None:
-      return self._guarded(f"step {next(self._steps)} ({name})", fn, *args, **kwargs)
-
-    def acknowledged_step(*args, **kwargs):
-      result = fn(*args, **kwargs)
-      if tf.executing_eagerly():
-        # A tf.function's remote writes may still be on their way to the PS tasks when
-        # it returns: the step returns once they are done (or raises their error).
-        _tf_internal.wait_for_pending_ops()
-      return result
-
-    return self._guarded(f"step {next(self._steps)} ({name})", acknowledged_step, *args,
-                         **kwargs)
+    return self._backend.step(f"step {next(self._steps)} ({name})", fn, *args, **kwargs)
 
   def _guarded(self, what, fn, *args, **kwargs):
-    """`fn(*args, **kwargs)`; in cluster mode, eagerly, bounded by `step_timeout`.
-
-    It runs in the watchdog's helper thread, in this thread's context (see
-    `_context.ThreadState`); a cluster fault raises `ClusterError` naming the task.
-    Inside a `tf.function` trace, or inside a guarded call, it runs directly.
-    """
-    guard = self._cluster.guard if self._cluster is not None else None
-    if guard is None or guard.inside() or not tf.executing_eagerly():
-      return fn(*args, **kwargs)
-    state = _context.ThreadState()
-
-    def call():
-      with state.enter():
-        return fn(*args, **kwargs)
-
-    return guard.run(call, what)
+    """`fn(*args, **kwargs)`; in cluster mode, eagerly, bounded by `step_timeout`."""
+    return self._backend.guarded(what, fn, *args, **kwargs)
 
   def reconnect(self) -> None:
     """Connects this worker to the cluster again, after a PS task was restarted.
@@ -394,10 +317,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
       ValueError: the strategy is not in cluster mode.
       ClusterError: a PS task still cannot be reached within `step_timeout`.
     """
-    if self._cluster is None:
-      raise ValueError(f"reconnect() applies to cluster mode only; {self!r} runs in one "
-                       "process.")
-    self._cluster.connect()
+    self._backend.reconnect(self)
 
   # --- variables ---
 
@@ -409,11 +329,9 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     return create()
 
   def _create_placed_variable(self, next_creator, kwargs, colocate_with):
-    # In cluster mode a variable is made once, eagerly, even when first used in a
-    # tf.function: it lives on a PS task beyond any one trace.
-    with tf.init_scope() if self._cluster is not None else contextlib.nullcontext():
+    with self._backend.creation_scope():
       kwargs = dict(kwargs)
-      if self._cluster is not None and \
+      if self._backend.keeps_tower_local_variables() and \
           kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
         return self._create_worker_local_variable(next_creator, kwargs)
       if colocate_with is not None:
@@ -461,12 +379,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     In one process, a plain tf.Variable there; in cluster mode, a `SharedVariable` on
     that PS device, shared by name with the other workers.
     """
-    if self._cluster is not None:
-      return self._cluster.create_variable(device, kwargs)
-    with tf.device(device):
-      if isinstance(kwargs.get("initial_value"), tf.Tensor):
-        kwargs["initial_value"] = tf.identity(kwargs["initial_value"])
-      return next_creator(**kwargs)
+    return self._backend.make_variable(device, next_creator, kwargs)
 
   # --- towers ---
 
@@ -477,8 +390,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     """The `ReadCache` of one `call_for_each_tower` call, or None if reads are not cached."""
     if not self._cache_reads:
       return None
-    return _read_cache.ReadCache(f"{self._cluster.local_task}/device:CPU:0",
-                                 self._cache_reads_max_bytes)
+    return self._backend.new_read_cache(self._cache_reads_max_bytes)
 
   def _run_towers(self, fn, args, kwargs):
     cache = self._new_read_cache()
@@ -521,12 +433,7 @@ class ParameterServerStrategy(_connection.ClusterTaskMixin, DistributionStrategy
     return min(var_list, key=lambda v: v.name)
 
   def _read_var(self, v):
-    if self._cluster is not None and tf.executing_eagerly() and not self._cluster.guard.inside():
-      # Each eager read of a PS variable is bounded by step_timeout and returns its
-      # value on this worker (_cluster_runtime/_shared_variables.py): ready, so using
-      # it cannot block on a PS task.
-      return tf.identity(v)
-    return self._guarded(f"read_var() of {v.name}", tf.identity, v)
+    return self._backend.read_var(v)
 
   # --- devices ---
 

@@ -20,7 +20,7 @@ from diststrat._tf import tf
 from diststrat import _devices
 from diststrat import _tf_internal
 from diststrat import errors
-from diststrat._cluster_runtime import _collective_watchdog
+from diststrat._cluster_runtime.multi_worker import _collective_watchdog
 from diststrat._cluster_runtime import _exposure
 from diststrat._cluster_runtime import _watchdog
 

@@ -21,7 +21,7 @@ How one is made (`create_shared_variable`):
    reads, assigns and scatters: `_tf_internal.RESOURCE_METHODS`), where TensorFlow
    enqueues eager remote ops asynchronously instead of wrapping each in a synchronous
    function call. The exceptions: a dense read in a tower of a `call_for_each_tower`
-   that caches reads is served by that call's `ReadCache` (_cluster_runtime/_read_cache.py),
+   that caches reads is served by that call's `ReadCache` (_cluster_runtime/parameter_server/_read_cache.py),
    and every write drops the variable from the open caches; and, eagerly outside the
    strategy's guarded calls, reads and writes are acknowledged and bounded (below).
 
@@ -56,7 +56,7 @@ from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _tf_internal
 from diststrat._cluster_runtime import _faults
-from diststrat._cluster_runtime import _read_cache
+from diststrat._cluster_runtime.parameter_server import _read_cache
 
 INIT_LOCK_NAME = "diststrat/init_lock"
 """Shared name of the mutex on each PS task that makes create-if-missing atomic."""
@@ -198,7 +198,7 @@ def _on_variable_device(name, method):
   """`method` with the variable's read cache in front and its PS device around it.
 
   A read in a tower of a `call_for_each_tower` that caches reads is served by that
-  call's `ReadCache` (_cluster_runtime/_read_cache.py), before any PS device scope, so that the
+  call's `ReadCache` (_cluster_runtime/parameter_server/_read_cache.py), before any PS device scope, so that the
   use is made on the tower's device; a write drops the variable from every open cache.
   Everything else runs under the PS device (`_run_on_ps`).
   """

@@ -1,0 +1,136 @@
+"""Cluster mode of `ParameterServerStrategy`: this worker's link to the PS tasks.
+
+`ClusterConnection` connects this process to the cluster with
+TensorFlow's gRPC runtime, names the devices (variables on
+`/job:ps/replica:0/task:i/device:CPU:0`, towers on this task's GPUs, else its CPU), makes
+variables as `SharedVariable`s (shared by name across worker processes) and bounds every
+cluster-touching call with a `StepGuard`.
+
+This worker connects with a view of the cluster that holds the PS tasks and itself only:
+workers never talk to each other, and TensorFlow would otherwise open a context on every
+other worker, which fails while one is down or restarting. Its own address comes from
+the spec (a fixed port): reconnecting after a PS restart needs it to be the same.
+"""
+
+
+from diststrat._tf import tf
+from diststrat import _arguments
+from diststrat import _devices
+from diststrat import _tf_internal
+from diststrat import errors
+from diststrat._cluster_runtime import _cluster_spec
+from diststrat._cluster_runtime import _exposure
+from diststrat._cluster_runtime import _watchdog
+from diststrat._cluster_runtime.parameter_server import _shared_variables
+
+_CONNECT_PROBE_TIMEOUT = 60.0  # Seconds a PS task has to answer when step_timeout is None.
+
+
+class ClusterConnection:
+  """This process's link to a parameter-server cluster; see the module docstring.
+
+  Args:
+    cluster_spec: {"ps": [...], "worker": [...]} (already checked).
+    task_type, task_id: this process's task.
+    step_timeout: seconds a guarded call may take (None: no limit).
+    name: the owner's description, for messages.
+  """
+
+  def __init__(self, cluster_spec, task_type, task_id, step_timeout, name):
+    self.spec = cluster_spec
+    self.task_type = task_type
+    self.task_id = task_id
+    self.local_task = f"/job:{task_type}/replica:0/task:{task_id}"
+    self.ps_tasks = tuple(f"/job:{_cluster_spec.PS_JOB}/replica:0/task:{i}"
+                          for i in range(len(cluster_spec[_cluster_spec.PS_JOB])))
+    self.ps_devices = tuple(f"{task}/device:CPU:0" for task in self.ps_tasks)
+    self.guard = _watchdog.StepGuard(self.ps_tasks, _watchdog.probe_with_an_op,
+                                     step_timeout, name)
+    self.names = _shared_variables.SharedNames()
+    # From now on, a task's death raised by any op of this process names the task, and
+    # TensorFlow's waits for pending eager work (checkpoint saves) are bounded too.
+    _tf_internal.install_error_translator(_watchdog.translate_error)
+    _tf_internal.install_sync_hook(self.guard.wait_for)
+    self.connect()
+
+  def connect(self):
+    """Connects (again) to every PS task, within the step timeout, or raises.
+
+    Every PS task is asked first whether it answers (an RPC with a deadline): TensorFlow's
+    own connection waits for a task that is down or frozen with no limit, and while it
+    waits no TensorFlow call of this process can run. Then the connection, and the
+    context initialization that makes it, run bounded by the step timeout.
+
+    Raises:
+      ClusterError: a PS task cannot be reached or does not answer, naming it and its
+        address.
+    """
+    self.guard.clear_failure()
+    timeout = self.guard.timeout or _CONNECT_PROBE_TIMEOUT
+    self._check_ps_tasks_answer(timeout)
+    view = tf.train.ClusterSpec({
+        _cluster_spec.PS_JOB: self.spec[_cluster_spec.PS_JOB],
+        self.task_type: {self.task_id: self.spec[self.task_type][self.task_id]},
+    })
+
+    def connect():
+      with _watchdog.raw_errors():  # Asking the tasks would wait for this connection too.
+        tf.config.experimental_connect_to_cluster(
+            view, job_name=self.task_type, task_index=self.task_id, protocol="grpc")
+        tf.config.list_logical_devices()  # The real connection: remote device discovery.
+        # Work sent before a reconnect (to a task that died or froze since) can fail
+        # after it, asynchronously (a function registration, say): such an error
+        # belongs to the old connection, not to the next op on this one.
+        tf.experimental.async_clear_error()
+
+    try:
+      self.guard.run(connect, f"connecting {self.local_task} to the cluster", probe=False)
+      _exposure.server_started(self.local_task, self.spec[self.task_type][self.task_id])
+    except errors.ClusterError as e:
+      self._check_ps_tasks_answer(timeout)  # Names a task that died or froze meanwhile.
+      raise errors.ClusterError(
+          f"{e} This process's TensorFlow stays blocked until the connection completes "
+          "or fails; if it does not, restart the process.", task=e.task) from e
+
+  def _check_ps_tasks_answer(self, timeout):
+    addresses = self.spec[_cluster_spec.PS_JOB]
+    outcomes = _tf_internal.probe_tf_server(addresses, timeout)
+    failed = [(task, address, why) for task, address, why
+              in zip(self.ps_tasks, addresses, outcomes, strict=True) if why]
+    if failed:
+      text = "; ".join(f"parameter server task {t} at {a} {w}" for t, a, w in failed)
+      raise errors.ClusterError(
+          f"Cannot connect {self.local_task} to the cluster: {text}. Start the task(s) "
+          "(or fix cluster_spec), then create the strategy (or call reconnect()) again.",
+          task=failed[0][0])
+
+  def local_devices(self):
+    """This task's GPUs, else its first CPU (canonical names)."""
+    prefix = self.local_task + "/"
+    gpus = [d.name for d in tf.config.list_logical_devices("GPU") if d.name.startswith(prefix)]
+    if gpus:
+      return _devices.canonicalize_all(gpus)
+    return (f"{self.local_task}/device:CPU:0",)
+
+  def canonicalize(self, devices):
+    """Canonical names of `devices`; parts left out default to this task."""
+    return _devices.canonicalize_all(devices, default=self.local_task)
+
+  def create_variable(self, device, kwargs):
+    """A `SharedVariable` on the PS device `device`, made from tf.Variable's `kwargs`."""
+    name = (kwargs.get("name") or "Variable").split(":")[0].strip("/") or "Variable"
+    scope = tf.get_current_name_scope()
+    shared_name = self.names.unique(f"{scope.rstrip('/')}/{name}" if scope else name)
+    with tf.init_scope():
+      if tf.is_symbolic_tensor(kwargs.get("initial_value")):
+        raise ValueError(
+            f"Variable {shared_name!r} is created inside a tf.function from a value "
+            "computed in it. In cluster mode, create variables outside tf.function, or "
+            "pass initial_value as a callable or a constant.")
+      initial_value = _arguments.initial_value_tensor(kwargs)
+      return _shared_variables.create_shared_variable(
+          device=device, local_device=f"{self.local_task}/device:CPU:0",
+          shared_name=shared_name, initial_value=initial_value, shape=kwargs.get("shape"),
+          trainable=kwargs.get("trainable"), synchronization=kwargs.get("synchronization"),
+          aggregation=kwargs.get("aggregation"), constraint=kwargs.get("constraint"),
+          guard=self.guard)
