@@ -12,7 +12,9 @@ follows the context stack as a mode listener, the variable rules are found by a
 creation hook. `import diststrat` calls it. See docs/keras.md.
 """
 
+from diststrat import _arguments
 from diststrat import _context
+from diststrat import _tf_internal
 from diststrat._keras import _bridge
 from diststrat._keras import _variable_rules
 from diststrat.values import _variables
@@ -21,6 +23,7 @@ from diststrat.values import _variables
 def install():
   """Connects the Keras support to diststrat's contexts and variables (idempotent)."""
   _context.add_mode_listener(_bridge.tf_mode)
+  _arguments.register_variable_unwrapper(_tf_internal.keras_backing_variable)
   _variables.add_rules_finder(_variable_rules.find_rules)
 
 
