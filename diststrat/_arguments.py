@@ -1,43 +1,110 @@
 """Arguments every layer of diststrat takes, checked and normalized in one place.
 
-Strategies, reductions, optimizers and the cluster code all accept aggregations, Keras
-variables where TensorFlow variables are meant, timeouts and variable initial values;
-each is read here, with one error message per mistake.
+Strategies, reductions, optimizers and the cluster code all accept aggregations,
+variables that stand for a TensorFlow variable, timeouts and variable initial values;
+each is read here, with one error message per mistake. A public method normalizes its
+arguments once, on entry; the hooks it calls receive only the normalized forms
+(`Aggregation`, canonical device tuples, `tf.Variable`s).
+
+This module knows no library above TensorFlow: what a variable of another library
+stands for is registered with `register_variable_unwrapper` (the Keras support
+registers Keras 3's variables).
 """
 
+import enum
 import numbers
+from typing import Any, Callable
 
 from diststrat._tf import tf
-from diststrat import _tf_internal
+
+
+class Aggregation(enum.Enum):
+  """How values are combined across towers: the one form hooks receive.
+
+  The public methods take "sum", "mean", `tf.VariableAggregation.SUM` or `.MEAN` (see
+  `canonical_aggregation`) and hand their hooks a member of this enum. A member is
+  equal to the `tf.VariableAggregation` member of the same name when it is on the left
+  of `==` (`aggregation == tf.VariableAggregation.MEAN`), and hashes as it, so hooks
+  written against `tf.VariableAggregation` keep working; its `name` is "SUM" or
+  "MEAN".
+
+  Example:
+    >>> Aggregation.MEAN == tf.VariableAggregation.MEAN, Aggregation.MEAN.name
+    (True, 'MEAN')
+  """
+
+  SUM = 1  # The values of tf.VariableAggregation.SUM and .MEAN.
+  MEAN = 2
+
+  def __eq__(self, other):
+    if isinstance(other, Aggregation):
+      return self is other
+    if isinstance(other, tf.VariableAggregation):
+      return self.name == other.name
+    return NotImplemented
+
+  def __hash__(self):
+    return hash(self.value)
+
 
 _AGGREGATIONS = {
-    "sum": tf.VariableAggregation.SUM,
-    "mean": tf.VariableAggregation.MEAN,
+    "sum": Aggregation.SUM,
+    "mean": Aggregation.MEAN,
 }
 
 
 def canonical_aggregation(aggregation):
-  """Returns `tf.VariableAggregation.SUM` or `.MEAN` for `aggregation`, else raises.
+  """Returns `Aggregation.SUM` or `.MEAN` for `aggregation`, else raises `ValueError`.
 
-  Accepts `tf.VariableAggregation.SUM`, `tf.VariableAggregation.MEAN`, "sum" and "mean".
+  Accepts `tf.VariableAggregation.SUM`, `tf.VariableAggregation.MEAN`, "sum" and "mean"
+  (any case), and an `Aggregation` (as it is).
 
   Example:
-    >>> canonical_aggregation("mean") == tf.VariableAggregation.MEAN
+    >>> canonical_aggregation("mean") is Aggregation.MEAN
+    True
+    >>> canonical_aggregation(tf.VariableAggregation.SUM) is Aggregation.SUM
     True
   """
+  if isinstance(aggregation, Aggregation):
+    return aggregation
   if isinstance(aggregation, str) and aggregation.lower() in _AGGREGATIONS:
     return _AGGREGATIONS[aggregation.lower()]
   if aggregation in (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN):
-    return aggregation
+    return Aggregation[aggregation.name]  # Also tf.compat.v1.VariableAggregation's.
   raise ValueError(
       "aggregation must be one of tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN, "
       f"'sum' or 'mean'. Received: aggregation={aggregation!r}")
 
 
+# Functions `fn(value)` that return the `tf.Variable` `value` stands for, or None.
+_variable_unwrappers: list[Callable[[Any], Any]] = []
+
+
+def register_variable_unwrapper(fn):
+  """Registers `fn(value) -> tf.Variable | None`: the TensorFlow variable `value` holds.
+
+  `as_tf_variable` asks each registered function in turn; the first that returns a
+  variable wins. A library whose variables hold a `tf.Variable` (Keras 3) registers one,
+  so that every public method takes its variables where a `tf.Variable` is meant.
+  Registering a function twice registers it once.
+  """
+  if fn not in _variable_unwrappers:
+    _variable_unwrappers.append(fn)
+
+
 def as_tf_variable(value):
-  """A Keras 3 variable stands for the TensorFlow variable it holds; others pass through."""
-  inner = _tf_internal.keras_backing_variable(value)
-  return value if inner is None else inner
+  """The `tf.Variable` `value` stands for (see `register_variable_unwrapper`), else `value`.
+
+  Example:
+    >>> v = tf.Variable(1.0)
+    >>> as_tf_variable(v) is v, as_tf_variable(3)
+    (True, 3)
+  """
+  for unwrap in _variable_unwrappers:
+    inner = unwrap(value)
+    if inner is not None:
+      return inner
+  return value
 
 
 def seconds(name, value, allow_none=True):

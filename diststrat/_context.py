@@ -28,8 +28,9 @@ context. Contexts nest to any depth. Every push is paired with a pop in a `final
 Code above this module can follow the mode changes: `add_mode_listener(listener)`
 registers a function that is called with each mode entered (in `enter_mode`, and when a
 `ThreadState` is entered in another thread) and returns a context manager to hold while
-that mode is current. The tf.distribute bridge (diststrat/_keras/_bridge.py)
-uses this to keep TensorFlow's own idea of the current strategy in step with ours.
+that mode is current. The Keras support's mode listener
+(diststrat/_keras/_mode_listener.py) uses this to keep TensorFlow's own idea of the
+current strategy in step with ours.
 """
 
 import contextlib

@@ -22,8 +22,8 @@ from diststrat._arguments import as_tf_variable
 from diststrat._arguments import canonical_aggregation
 from diststrat.values import _wrapped
 
-Aggregation = Union[str, tf.VariableAggregation]
-""""sum", "mean", or `tf.VariableAggregation.SUM`/`MEAN`."""
+AggregationArgument = Union[str, tf.VariableAggregation]
+""""sum", "mean", or `tf.VariableAggregation.SUM`/`MEAN`: what the public methods take."""
 Destinations = Any
 """None, a device string or a list of them, a variable, or a wrapped value."""
 
@@ -140,7 +140,7 @@ class DistributionStrategy:
     return self._call_for_each_tower(fn, args, kwargs)
 
   @cross_tower_method
-  def reduce(self, aggregation: Aggregation, value: Any,
+  def reduce(self, aggregation: AggregationArgument, value: Any,
              destinations: Destinations = None) -> Any:
     """Combines a per-tower value (or a nested structure of them) across towers.
 
@@ -168,7 +168,7 @@ class DistributionStrategy:
       (2.0, [1.0, 10.0])
     """
     aggregation = canonical_aggregation(aggregation)
-    destinations = self._resolve_destinations(destinations)
+    destinations = _wrapped.resolve_destinations(destinations, self._default_destinations)
     if not _wrapped.is_structure(value):
       _arguments.check_reducible("reduce", value, _wrapped.DistributedValues)
       return self._reduce(aggregation, value, destinations)
@@ -180,7 +180,7 @@ class DistributionStrategy:
     return _wrapped.pack_as(value, reduced)
 
   @cross_tower_method
-  def batch_reduce(self, aggregation: Aggregation,
+  def batch_reduce(self, aggregation: AggregationArgument,
                    value_destination_pairs: Sequence[tuple[Any, Destinations]]) -> list[Any]:
     """Like `reduce` for each (value, destinations) pair, done together (faster).
 
@@ -195,7 +195,7 @@ class DistributionStrategy:
         raise ValueError(
             "batch_reduce() takes a list of (value, destinations) pairs. Received: item "
             f"{i} = {pair!r}")
-      destinations = self._resolve_destinations(pair[1])
+      destinations = _wrapped.resolve_destinations(pair[1], self._default_destinations)
       leaves = _wrapped.flatten(pair[0]) if _wrapped.is_structure(pair[0]) else [pair[0]]
       for leaf in leaves:
         _arguments.check_reducible("batch_reduce", leaf, _wrapped.DistributedValues)
@@ -213,7 +213,8 @@ class DistributionStrategy:
   @cross_tower_method
   def broadcast(self, tensor: Any, destinations: Destinations = None) -> Any:
     """Copies `tensor` to `destinations` (default: the worker devices): a mirrored value."""
-    return self._broadcast(tensor, self._resolve_destinations(destinations))
+    return self._broadcast(
+        tensor, _wrapped.resolve_destinations(destinations, self._default_destinations))
 
   @cross_tower_method
   def update(self, var: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -297,7 +298,7 @@ class DistributionStrategy:
     depth): each leaf is gathered, and the result has the same structure.
     """
     axis = _arguments.check_int("axis", axis)
-    destinations = self._resolve_destinations(destinations)
+    destinations = _wrapped.resolve_destinations(destinations, default=None)  # No copy.
     if not _wrapped.is_structure(value):
       return self._gather(value, axis, destinations)
     return _wrapped.pack_as(value, [self._gather(leaf, axis, destinations)
@@ -357,12 +358,6 @@ class DistributionStrategy:
         f"{type(self).__name__}.{method_name}() of {self!r} was called in "
         f"{_context.describe_current_context()}: strategies do not mix. Call it "
         "inside its own scope().")
-
-  def _resolve_destinations(self, destinations):
-    """None, or the tuple of canonical devices that `destinations` names."""
-    if destinations is None:
-      return None
-    return _wrapped.devices_of(as_tf_variable(destinations))
 
   def _colocation_target(self):
     """The variable given to the innermost `colocate_vars_with()` of this thread, or None."""
@@ -447,21 +442,27 @@ class DistributionStrategy:
     """
     return None
 
+  def _default_destinations(self):
+    """Where `reduce`, `batch_reduce` and `broadcast` put their result when the caller
+    names no destinations: the worker devices.
+
+    The public methods resolve `destinations=None` to this before they call a hook
+    (`values._wrapped.resolve_destinations`), so hooks never see None there.
+    """
+    return self._worker_devices()
+
   def _reduce(self, aggregation, value, destinations):
-    return self._required_cross_tower_ops("_reduce").reduce(
-        aggregation, value, destinations or self._worker_devices())
+    return self._required_cross_tower_ops("_reduce").reduce(aggregation, value, destinations)
 
   def _batch_reduce(self, aggregation, value_destination_pairs):
     ops = self._get_cross_tower_ops()
     if ops is None:
       return [self._reduce(aggregation, value, destinations)
               for value, destinations in value_destination_pairs]
-    pairs = [(v, d or self._worker_devices()) for v, d in value_destination_pairs]
-    return ops.batch_reduce(aggregation, pairs)
+    return ops.batch_reduce(aggregation, value_destination_pairs)
 
   def _broadcast(self, tensor, destinations):
-    return self._required_cross_tower_ops("_broadcast").broadcast(
-        tensor, destinations or self._worker_devices())
+    return self._required_cross_tower_ops("_broadcast").broadcast(tensor, destinations)
 
   def _required_cross_tower_ops(self, hook):
     ops = self._get_cross_tower_ops()

@@ -37,7 +37,6 @@ class SequentialStrategy(ds.DistributionStrategy):
 
   def _reduce(self, aggregation, value, destinations):
     components = self.unwrap(value)
-    destinations = destinations or self._devices
     with tf.device(destinations[0]):
       total = tf.math.add_n([tf.convert_to_tensor(c) for c in components])
       if aggregation == tf.VariableAggregation.MEAN:
@@ -46,7 +45,7 @@ class SequentialStrategy(ds.DistributionStrategy):
 
   def _broadcast(self, tensor, destinations):
     copies = {}
-    for device in destinations or self._devices:
+    for device in destinations:
       with tf.device(device):
         copies[device] = tf.identity(tensor)
     return ds.values.Mirrored(copies)

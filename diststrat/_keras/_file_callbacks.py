@@ -8,12 +8,25 @@ path race. So, as tf.distribute's Keras did: the chief (worker 0) writes to the 
 path; every other worker writes to a scratch directory of its own, removed when `fit`
 ends, and the callback's path is given back. User code does not branch on the task.
 
-`redirect_fit_callbacks` is called by the bridge when Keras's `fit` asks for its dataset
-(before it builds its callback list): the callbacks are found in `fit`'s arguments
-(`_tf_internal.keras_fit_callbacks`).
+`redirect_fit_callbacks` is called by the tf.distribute facade
+(`StrategyAdapter.experimental_distribute_dataset`) when Keras's `fit` asks for its
+dataset (before it builds its callback list): the callbacks are found in `fit`'s
+arguments (`_tf_internal.keras_fit_callbacks`).
 
 `BackupAndRestore` reads the chief's backup at the start of `fit` (every worker must
 restore the same state) and writes to the scratch directory after that.
+
+To do this, diststrat replaces instance attributes of each such callback (only in a
+worker other than the chief; Keras's classes are not changed), and gives every one back
+when `fit` ends:
+
+- the path attribute: `ModelCheckpoint.filepath`, `CSVLogger.filename`,
+  `TensorBoard.log_dir`, set to a path in the worker's scratch directory;
+- `BackupAndRestore.on_train_begin`, with a function that runs Keras's, then points the
+  callback at the scratch directory: its `backup_dir` and the paths Keras derived from
+  it (private attributes, through `_tf_internal.set_keras_backup_dir`);
+- `on_train_end`, with a function that runs Keras's, then gives the callback back its
+  paths and its methods and removes the scratch directory.
 """
 
 import os

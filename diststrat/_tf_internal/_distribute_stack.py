@@ -3,7 +3,7 @@
 Keras 3 and TensorFlow learn about a distribution strategy only from this stack, which
 has no public setter: diststrat puts an entry there while one of its contexts is current
 (`tf_distribution_mode`), so that `tf.distribute.get_strategy()` answers for diststrat
-(see diststrat/_keras/_bridge.py).
+(see diststrat/_keras/_mode_listener.py and _facade.py).
 """
 
 import contextlib

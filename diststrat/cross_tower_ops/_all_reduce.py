@@ -9,6 +9,7 @@ into a few before the algorithm runs and back after it.
 
 from diststrat._tf import tf
 from diststrat import _arguments
+from diststrat._arguments import Aggregation
 from diststrat import _devices
 from diststrat.cross_tower_ops import _base
 from diststrat.cross_tower_ops import _collective
@@ -185,7 +186,7 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
         groups.setdefault(key, []).append(i)
       else:
         results[i] = self._fallback._reduce(aggregation, value, destinations)  # pylint: disable=protected-access
-    mean = aggregation == tf.VariableAggregation.MEAN
+    mean = aggregation is Aggregation.MEAN
     first = 0
     for indices in groups.values():
       devices = value_destination_pairs[indices[0]][1]

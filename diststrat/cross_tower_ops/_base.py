@@ -1,7 +1,8 @@
 """`CrossTowerOps`: the base class of every cross-tower reduction algorithm.
 
 The public methods (`reduce`, `batch_reduce`, `broadcast`) check and normalize their
-arguments, handle what every algorithm shares (values held on one device, `IndexedSlices`),
+arguments once (the aggregation to an `Aggregation`, destinations to a tuple of canonical
+devices by `values._wrapped.resolve_destinations`, values to `PerDevice`s), handle what every algorithm shares (values held on one device, `IndexedSlices`),
 and call an underscored hook for the rest. Hooks only build graph ops under `tf.device`:
 in eager mode the base class traces them once per input signature into a `tf.function` and
 runs that (`_launch.Launcher`), so one call launches the work on every device together
@@ -16,12 +17,11 @@ from typing import Any, Sequence
 
 from diststrat._tf import tf
 from diststrat import _devices
+from diststrat._arguments import Aggregation
 from diststrat._arguments import as_tf_variable
 from diststrat._arguments import canonical_aggregation
 from diststrat.cross_tower_ops import _launch
 from diststrat.values import _wrapped
-
-_MEAN = tf.VariableAggregation.MEAN
 
 
 class CrossTowerOps:
@@ -49,7 +49,9 @@ class CrossTowerOps:
     """Reduces one dense value held on two or more devices.
 
     Args:
-      aggregation: `tf.VariableAggregation.SUM` or `tf.VariableAggregation.MEAN`.
+      aggregation: `Aggregation.SUM` or `Aggregation.MEAN` (equal to
+        `tf.VariableAggregation.SUM`/`MEAN`: `aggregation == tf.VariableAggregation.MEAN`
+        tests for the mean).
       per_device_value: a `PerDevice` of dense tensors of one dtype, at least two.
       destinations: a tuple of canonical device strings.
 
@@ -120,7 +122,7 @@ class CrossTowerOps:
     """
     aggregation = canonical_aggregation(aggregation)
     value = _as_per_device(per_device_value, "reduce", destinations)
-    destinations = _destination_devices(destinations, value.devices)
+    destinations = _wrapped.resolve_destinations(destinations, default=value.devices)
     return self._run("reduce", aggregation, [(value, destinations)])[0]
 
   def batch_reduce(self, aggregation: Any,
@@ -156,7 +158,7 @@ class CrossTowerOps:
         raise ValueError("batch_reduce() takes a list of (value, destinations) pairs. "
                          f"Received: item {i} = {pair!r}")
       value = _as_per_device(pair[0], "batch_reduce", pair[1])
-      items.append((value, _destination_devices(pair[1], value.devices)))
+      items.append((value, _wrapped.resolve_destinations(pair[1], default=value.devices)))
     if not items:
       return []
     return self._run("batch_reduce", aggregation, items)
@@ -179,15 +181,12 @@ class CrossTowerOps:
       >>> [float(v) for v in copies.values]
       [1.0, 1.0]
     """
-    if destinations is None:
-      raise ValueError("broadcast() needs destinations: a device string, a list of them, a "
-                       "variable or a wrapped value. Received: destinations=None")
+    destinations = _wrapped.resolve_destinations(destinations, _wrapped.REQUIRED, "broadcast")
     if isinstance(tensor, _wrapped.DistributedValues):
       raise ValueError(f"broadcast() takes one tensor, not a wrapped value. Received: "
                        f"{tensor!r}. Use reduce() to combine the components of a wrapped "
                        "value.")
     value = _as_per_device(tensor, "broadcast", destinations)
-    destinations = _destination_devices(destinations, value.devices)
     return self._run("broadcast", None, [(value, destinations)])[0]
 
   def __repr__(self):
@@ -274,7 +273,7 @@ def concat_indexed_slices(aggregation, per_device_value, device):
                for p in parts]
     values = tf.concat([p.values for p in parts], axis=0)
     indices = tf.concat([p.indices for p in parts], axis=0)
-    if aggregation == _MEAN:
+    if aggregation is Aggregation.MEAN:
       values = divide(values, len(parts))
     dense_shape = next((tf.identity(p.dense_shape) for p in parts
                         if p.dense_shape is not None), None)
@@ -314,7 +313,7 @@ def _as_per_device(value, method, destinations):
   value = as_tf_variable(value)
   if isinstance(value, _wrapped.DistributedValues):
     index = dict(zip(value.devices, value.values, strict=True))
-  elif _is_distributed_variable(value):
+  elif _wrapped.is_distributed_variable_like(value):
     index = {d: value.get(d) for d in _devices.canonicalize_all(value.devices)}
   else:
     index = {_home_device(value, destinations): value}
@@ -331,13 +330,6 @@ def _as_per_device(value, method, destinations):
   return _wrapped.PerDevice(index)
 
 
-def _is_distributed_variable(value):
-  """A distributed variable that is not a `DistributedValues`: it has devices and get()."""
-  return (not isinstance(value, (tf.Variable, tf.Tensor, tf.IndexedSlices))
-          and isinstance(getattr(value, "devices", None), (tuple, list))
-          and callable(getattr(value, "get", None)))
-
-
 def _home_device(value, destinations):
   """The device of a plain value: its own, else the current scope's, else a destination."""
   device = getattr(value, "device", None)
@@ -349,7 +341,7 @@ def _home_device(value, destinations):
   if current:
     return current
   if destinations is not None:
-    return _destination_devices(destinations, None)[0]
+    return _wrapped.resolve_destinations(destinations, default=None)[0]
   return _devices.canonicalize("/cpu:0")
 
 
@@ -359,16 +351,6 @@ def _as_tensor(value, device):
     return value
   with tf.device(device):
     return tf.convert_to_tensor(value)
-
-
-def _destination_devices(destinations, default):
-  """The canonical devices `destinations` names; `default` when it is None."""
-  if destinations is None:
-    return default
-  destinations = as_tf_variable(destinations)
-  if _is_distributed_variable(destinations):
-    return _devices.canonicalize_all(destinations.devices)
-  return _wrapped.devices_of(destinations)
 
 
 def _in_order(result, destinations, ops, hook):

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 from diststrat._tf import tf
 from diststrat import _arguments
+from diststrat._arguments import Aggregation
 from diststrat.cross_tower_ops import _base
 from diststrat.cross_tower_ops import _collective
 from diststrat.cross_tower_ops import _packing
@@ -139,7 +140,7 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
 
   def _batch_reduce(self, aggregation, value_destination_pairs):
     local, all_devices, _, _ = self._bound()
-    mean = aggregation == tf.VariableAggregation.MEAN
+    mean = aggregation is Aggregation.MEAN
     flat = [i for i, (v, d) in enumerate(value_destination_pairs)
             if self._scheme == "flat" and set(v.devices) == set(d) == set(local)]
     results = [None] * len(value_destination_pairs)
@@ -158,12 +159,11 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
 
   def _reduce_indexed_slices(self, aggregation, per_device_value, destinations):
     local, all_devices, _, _ = self._bound()
-    mine = _base.concat_indexed_slices(tf.VariableAggregation.SUM, per_device_value,
-                                       local[0])
+    mine = _base.concat_indexed_slices(Aggregation.SUM, per_device_value, local[0])
     with tf.device(local[0]):
       values = self._gather_rows(mine.values)
       indices = self._gather_rows(mine.indices)
-      if aggregation == tf.VariableAggregation.MEAN:
+      if aggregation is Aggregation.MEAN:
         values = _base.divide(values, len(all_devices))
       gathered = tf.IndexedSlices(values, indices, mine.dense_shape)
     return _base.mirror(gathered, destinations, source_device=local[0])

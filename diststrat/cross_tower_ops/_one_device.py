@@ -4,6 +4,7 @@ from typing import Any, Callable
 
 from diststrat._tf import tf
 from diststrat import _devices
+from diststrat._arguments import Aggregation
 from diststrat.cross_tower_ops import _base
 
 
@@ -55,7 +56,7 @@ class ReductionToOneDevice(_base.CrossTowerOps):
     device = self._device_for(destinations)
     with tf.device(device):
       total = self._accumulation_fn(list(per_device_value.values))
-      if aggregation == tf.VariableAggregation.MEAN:
+      if aggregation is Aggregation.MEAN:
         total = _base.divide(total, len(per_device_value))
     return _base.mirror(total, destinations, source_device=device)
 

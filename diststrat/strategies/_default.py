@@ -58,6 +58,9 @@ class DefaultStrategy(DistributionStrategy):
     with _context.enter_mode(self, _context.TowerContext(self, 0, 1)):
       return fn(*args, **kwargs)
 
+  def _default_destinations(self):
+    return None  # No devices of its own: results stay where they are.
+
   def _reduce(self, aggregation, value, destinations):
     del aggregation, destinations  # One tower: nothing to combine.
     return value

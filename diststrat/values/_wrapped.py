@@ -3,6 +3,7 @@
 from typing import Any, Mapping, Sequence
 
 from diststrat._tf import tf
+from diststrat import _arguments
 from diststrat import _context
 from diststrat import _devices
 from diststrat import _tf_internal
@@ -384,3 +385,55 @@ def devices_of(destinations):
   raise ValueError(
       "destinations must be None, a device string, a list of device strings, a variable "
       f"or a wrapped value. Received: destinations={destinations!r}")
+
+
+REQUIRED = object()
+"""`resolve_destinations`'s default for a method that refuses `destinations=None`."""
+
+
+def resolve_destinations(destinations, default, method=None):
+  """The devices `destinations` names, as a tuple of canonical device strings.
+
+  The one reading of a `destinations` argument: every public method that takes one
+  (a strategy's `reduce`, `batch_reduce`, `broadcast`, `gather`; a `CrossTowerOps`'s
+  `reduce`, `batch_reduce`, `broadcast`) resolves it here, once, and its hooks receive
+  the result.
+
+  `destinations` may be a device string or a list of them (each must exist), a wrapped
+  value or a distributed variable (its devices; also any object with `devices` and
+  `get()`), a variable or a tensor (its device), or a variable `as_tf_variable`
+  unwraps (a Keras variable).
+
+  None means `default`, which the public method passes: where its result goes when the
+  caller names nowhere (a tuple of canonical devices, or None for "nowhere else"), or
+  a function that returns it (called only then). The public methods pass:
+
+  - a strategy's `reduce`, `batch_reduce` and `broadcast`: its worker devices (its
+    `_default_destinations`; the default strategy, which has none, gives None);
+  - a strategy's `gather`: None, no copy (the result stays on the first worker device);
+  - `CrossTowerOps.reduce` and `batch_reduce`: the devices of the value reduced;
+  - `CrossTowerOps.broadcast`: `REQUIRED`, so None raises a `ValueError` naming
+    `method`.
+
+  Example:
+    >>> resolve_destinations("/cpu:1", default=None)
+    ('/job:localhost/replica:0/task:0/device:CPU:1',)
+    >>> resolve_destinations(None, default=("/job:localhost/replica:0/task:0/device:CPU:0",))
+    ('/job:localhost/replica:0/task:0/device:CPU:0',)
+  """
+  if destinations is None:
+    if default is REQUIRED:
+      raise ValueError(f"{method}() needs destinations: a device string, a list of them, a "
+                       "variable or a wrapped value. Received: destinations=None")
+    return default() if callable(default) else default
+  destinations = _arguments.as_tf_variable(destinations)
+  if is_distributed_variable_like(destinations):
+    return _devices.canonicalize_all(destinations.devices)
+  return devices_of(destinations)
+
+
+def is_distributed_variable_like(value):
+  """A distributed variable that is not a `DistributedValues`: it has devices and get()."""
+  return (not isinstance(value, (DistributedValues, tf.Variable, tf.Tensor, tf.IndexedSlices))
+          and isinstance(getattr(value, "devices", None), (tuple, list))
+          and callable(getattr(value, "get", None)))

@@ -1,0 +1,393 @@
+"""The tf.distribute facade: what tf.distribute-aware code sees in a diststrat context.
+
+Keras 3 (TensorFlow backend) and parts of TensorFlow learn about distribution only
+through `tf.distribute.get_strategy()`, `get_replica_context()` and the objects they
+return. While a thread is in a diststrat context of a real strategy, those return the
+objects of this module (`_mode_listener.py` puts them on TensorFlow's per-thread
+distribution stack): a `StrategyAdapter` (with its `ExtendedAdapter` as `.extended`) in
+cross-tower context, a `ReplicaContextAdapter` in a tower. They are diststrat's own small
+objects, not `tf.distribute` strategies: each answers the part of that interface Keras
+and TensorFlow use by calling the diststrat strategy. No tf.distribute strategy is
+created or used.
+
+What Keras then does by itself:
+
+* A model or optimizer created inside `strategy.scope()` keeps the adapter (Keras's
+  optimizer stores it as the strategy it applies updates through), and `fit`,
+  `evaluate` and `predict` call `adapter.run(step, args=(global_batch,))` inside their
+  traced step. `run` checks the model (`_model_checks.py`) and does what training needs
+  to match one device (`_training.py`: it splits the batch across the towers, routes the
+  optimizer and loss trackers, combines the towers' results).
+* A Keras optimizer sums its gradients with `ReplicaContextAdapter.all_reduce` and
+  applies them through `merge_call` and `extended.update`: once per copy of each
+  variable.
+* `BatchNormalization(synchronized=True)` all-reduces its moments (differentiably).
+
+The facade replaces no attribute of a Keras or TensorFlow object; the ones `run` replaces
+on Keras objects are listed in `_training.py` (an optimizer's `apply`, a loss tracker's
+`update_state`) and `_file_callbacks.py` (paths and hooks of file-writing callbacks in
+workers other than the chief). See docs/keras.md.
+"""
+
+import contextlib
+import threading
+import weakref
+from typing import Any
+
+from diststrat._tf import tf
+from diststrat import _context
+from diststrat._arguments import as_tf_variable
+from diststrat._keras import _file_callbacks
+from diststrat._keras import _model_checks
+from diststrat._keras import _training
+from diststrat.values import _variables
+from diststrat.values import _wrapped
+
+
+# strategy -> its StrategyAdapter
+_adapters: "weakref.WeakKeyDictionary[Any, StrategyAdapter]" = weakref.WeakKeyDictionary()
+
+
+def adapter_for(strategy):
+  """The one `StrategyAdapter` of `strategy` (made on first use)."""
+  adapter = _adapters.get(strategy)
+  if adapter is None:
+    adapter = _adapters.setdefault(strategy, StrategyAdapter(strategy))
+  return adapter
+
+
+_entering = threading.local()  # by_adapter: a StrategyAdapter enters its strategy's scope.
+
+
+def entering_by_adapter():
+  """Whether this thread is entering a strategy's scope for its `StrategyAdapter`.
+
+  Code that asked the adapter for its scope (a Keras model made under the strategy) may
+  enter it inside a tf.distribute strategy's scope; a user's own `scope()` may not.
+  """
+  return getattr(_entering, "by_adapter", False)
+
+
+def _reduce_op_name(reduce_op):
+  """"sum" or "mean" for a `tf.distribute.ReduceOp` or a string."""
+  return str(getattr(reduce_op, "value", reduce_op)).lower()
+
+
+class _MergeFn:
+  """A tf.distribute `merge_fn(strategy, ...)` called with the adapter.
+
+  Two of them are equal when they wrap the same function, so diststrat's check that
+  every tower passes the same merge_fn compares what Keras passed.
+  """
+
+  def __init__(self, merge_fn, adapter):
+    self.merge_fn = merge_fn
+    self.adapter = adapter
+    self.__name__ = getattr(merge_fn, "__name__", type(merge_fn).__name__)
+
+  def __call__(self, strategy, *args, **kwargs):
+    del strategy  # tf.distribute code expects its own kind of strategy: the adapter.
+    return self.merge_fn(self.adapter, *args, **kwargs)
+
+  def __eq__(self, other):
+    return isinstance(other, _MergeFn) and _context.same_merge_fn(
+        self.merge_fn, other.merge_fn)
+
+  def __hash__(self):
+    return hash(getattr(self.merge_fn, "__code__", None))
+
+
+class ReplicaContextAdapter:
+  """What `tf.distribute.get_replica_context()` returns inside a diststrat tower."""
+
+  def __init__(self, adapter, tower_context):
+    self._adapter = adapter
+    self._tower = tower_context
+
+  @property
+  def strategy(self):
+    return self._adapter
+
+  @property
+  def num_replicas_in_sync(self):
+    return self._adapter.num_replicas_in_sync
+
+  @property
+  def replica_id_in_sync_group(self):
+    return self._tower.tower_id
+
+  @property
+  def devices(self):
+    return (self._tower.device,)
+
+  def merge_call(self, merge_fn, args=(), kwargs=None):
+    return self._tower.merge_call(_MergeFn(merge_fn, self._adapter), *args,
+                                  **(kwargs or {}))
+
+  def all_reduce(self, reduce_op, value, options=None):
+    """Reduces `value` (a tensor or a structure of them) over the towers; all get the result.
+
+    Differentiable for float tensors, as tf.distribute's: a tower's tape does not see
+    the reduction (it runs in `merge_call`, in another thread), so the gradient is
+    declared here: the same reduction of the towers' upstream gradients.
+    """
+    del options
+    op = _reduce_op_name(reduce_op)
+    tower = self._tower
+    flat = _wrapped.flatten(value)
+
+    def merge_fn(strategy, *leaves):
+      return tuple(strategy.batch_reduce(op, [(leaf, None) for leaf in leaves]))
+
+    if not all(isinstance(v, tf.Tensor) and v.dtype.is_floating for v in flat):
+      return _wrapped.pack_as(value, tower.merge_call(merge_fn, *flat))
+
+    @tf.custom_gradient
+    def all_reduce(*leaves):
+      reduced = tower.merge_call(merge_fn, *leaves)
+
+      def grad(*upstream):
+        return tower.merge_call(merge_fn, *upstream)
+
+      return tuple(tf.identity(r) for r in reduced), grad
+
+    return _wrapped.pack_as(value, all_reduce(*flat))
+
+
+class ExtendedAdapter:
+  """The part of `tf.distribute.Strategy.extended` that Keras and TensorFlow use."""
+
+  def __init__(self, strategy):
+    self._ds = strategy
+
+  def _use_merge_call(self):
+    # In a tower, Keras's optimizer applies gradients through merge_call. In cross-tower
+    # context (an optimizer's apply run once with the summed gradients, see
+    # `_training.route_optimizer`) there is nothing to merge: tf.distribute's `maybe_merge_call`
+    # then calls its function directly.
+    return _context.get_tower_context() is not None
+
+  @property
+  def _retrace_functions_for_each_device(self):
+    # A tf.function called in towers is traced once per tower device (it reads that
+    # tower's copies), as under tf.distribute.
+    return self._ds.num_towers > 1
+
+  def value_container(self, value):
+    return value  # What a tower's tape watches: the variable read, as diststrat does.
+
+  @property
+  def worker_devices(self):
+    return self._ds.worker_devices
+
+  @property
+  def parameter_devices(self):
+    return self._ds.parameter_devices
+
+  def colocate_vars_with(self, var):
+    return self._ds.colocate_vars_with(var)
+
+  def variable_created_in_scope(self, v):
+    return _variables.created_by(as_tf_variable(v)) is self._ds
+
+  def update(self, var, fn, args=(), kwargs=None, group=True):
+    """`strategy.update(var, fn, *args)`: `fn` once on each device holding `var`.
+
+    Keras hands over values it all-reduced, so every component is the same value: one
+    without a component on the variable's device (ParameterServer: towers on workers,
+    the variable on a parameter device) stands for any of its components.
+    """
+    var = as_tf_variable(var)
+    devices = _wrapped.devices_of(var)
+
+    def local(x):
+      if isinstance(x, _wrapped.DistributedValues) and not isinstance(x, tf.Variable) and \
+          not all(d in x for d in devices):
+        return x.primary
+      return x
+
+    args = _wrapped.pack_as(tuple(args), [local(x) for x in _wrapped.flatten(tuple(args))])
+    kwargs = dict(kwargs or {})
+    kwargs = _wrapped.pack_as(kwargs, [local(x) for x in _wrapped.flatten(kwargs)])
+    result = self._ds.update(var, fn, *args, **kwargs)
+    return self._grouped(result) if group else result
+
+  def _grouped(self, result):
+    """`update(..., group=True)`'s result: one value per leaf, after every copy's update.
+
+    tf.distribute returns values there, and code uses them (`tf.random.Generator.skip`
+    in cross-replica context slices the state it read): a leaf whose copies are tensors
+    gives its first copy, made to wait for every copy's update; anything else (ops,
+    variables) gives one op that runs them all.
+    """
+    leaves = _wrapped.flatten(result)
+    parts = [self._ds.unwrap(leaf) for leaf in leaves]
+    if not leaves or not all(isinstance(c, tf.Tensor) for p in parts for c in p):
+      return self._ds.group(result)
+    if tf.executing_eagerly():
+      return _wrapped.pack_as(result, [p[0] for p in parts])
+    with tf.control_dependencies([c for p in parts for c in p]):
+      return _wrapped.pack_as(result, [tf.identity(p[0]) for p in parts])
+
+  def call_for_each_replica(self, fn, args=(), kwargs=None):
+    return self._ds.call_for_each_tower(fn, *args, **(kwargs or {}))
+
+  def reduce_to(self, reduce_op, value, destinations, options=None):
+    del options
+    return self._ds.reduce(_reduce_op_name(reduce_op), value, destinations=destinations)
+
+  def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+    del options
+    return self._ds.batch_reduce(_reduce_op_name(reduce_op), value_destination_pairs)
+
+  def broadcast_to(self, tensor, destinations):
+    return self._ds.broadcast(tensor, destinations)
+
+  def non_slot_devices(self, var_list):
+    return self._ds.non_slot_devices(var_list)
+
+
+class StrategyAdapter:
+  """What `tf.distribute.get_strategy()` returns in a diststrat context.
+
+  It is not a `tf.distribute.Strategy`: it answers, by calling its diststrat strategy,
+  the part of that interface that Keras 3's TensorFlow backend and TensorFlow itself
+  use. Users call diststrat; this object is for the code that only knows tf.distribute.
+
+  Example:
+    >>> import diststrat as ds, tensorflow as tf
+    >>> s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    >>> with s.scope():
+    ...   adapter = tf.distribute.get_strategy()
+    ...   adapter.diststrat_strategy is s, adapter.num_replicas_in_sync
+    (True, 2)
+  """
+
+  def __init__(self, strategy):
+    self._ds = strategy
+    self.extended = ExtendedAdapter(strategy)
+
+  def __repr__(self):
+    return f"diststrat StrategyAdapter({self._ds!r})"
+
+  @property
+  def diststrat_strategy(self):
+    """The diststrat strategy this adapter stands for."""
+    return self._ds
+
+  @property
+  def num_replicas_in_sync(self):
+    """The tower count; in a tower given part of a batch, a `TowerShare` of it."""
+    tower = _context.get_tower_context()
+    if tower is not None and tower.distribution_strategy is self._ds and \
+        tower.batch_share is not None:
+      return _training.TowerShare(self._ds.num_towers, tower.batch_share)
+    return self._ds.num_towers
+
+  def scope(self):
+    _model_checks.check_no_other_strategy(
+        self._ds, "A Keras model (or optimizer, or other tf.distribute-aware code)")
+    return self._adapter_scope()
+
+  @contextlib.contextmanager
+  def _adapter_scope(self):
+    """The strategy's scope, entered for code that asked the adapter for it.
+
+    That code (a Keras model made under this strategy) runs under this strategy even
+    inside a tf.distribute strategy's scope: the entry for diststrat goes on top of
+    TensorFlow's stack. A user's own `with strategy.scope():` there is refused.
+    """
+    saved = entering_by_adapter()
+    _entering.by_adapter = True
+    try:
+      scope = self._ds.scope()
+      scope.__enter__()
+    finally:
+      _entering.by_adapter = saved
+    try:
+      yield self
+    except BaseException as e:
+      if not scope.__exit__(type(e), e, e.__traceback__):
+        raise
+    else:
+      scope.__exit__(None, None, None)
+
+  # --- input ---
+
+  def experimental_distribute_dataset(self, dataset, options=None):
+    """`dataset`, prefetched: `run` splits each global batch across the towers.
+
+    The prefetch makes the next batch while a step runs, as `distribute_dataset` does.
+    """
+    del options
+    # Keras's fit asks for its dataset before it builds its callback list: the last
+    # moment a worker's file-writing callbacks can be pointed at its scratch directory.
+    _file_callbacks.redirect_fit_callbacks(self._ds)
+    return dataset.prefetch(tf.data.AUTOTUNE)
+
+  def distribute_datasets_from_function(self, dataset_fn, options=None):
+    del dataset_fn, options
+    raise NotImplementedError(
+        "diststrat's tf.distribute bridge does not implement "
+        "distribute_datasets_from_function: it splits global batches itself. Pass a "
+        "tf.data.Dataset of global batches (or numpy arrays) to model.fit, or use "
+        f"{type(self._ds).__name__}.distribute_dataset() in a custom loop.")
+
+  def experimental_local_results(self, value):
+    if isinstance(value, _wrapped.DistributedValues) and not isinstance(value, tf.Variable):
+      return tuple(value.values)
+    return (value,)
+
+  # --- the step ---
+
+  def run(self, fn, args=(), kwargs=None, options=None):
+    """Runs `fn` on every tower, each on its part of the global batch in `args`.
+
+    Keras's trainer calls this with a global batch. Every tensor with a batch axis in
+    `args` and `kwargs` is split across the towers (`BatchParts`, as `distribute_dataset`
+    does, a tower may get no example); with several worker processes training on one
+    global batch (MultiWorkerMirroredStrategy), this process's towers take their share.
+    Wrapped values give each tower its component; anything else is passed to every
+    tower as it is.
+
+    Returns:
+      For a Keras model's `train_step`/`test_step`: its metrics, read in cross-tower
+      context after every tower ran (each tower-local metric summed over towers). For
+      anything else: each output leaf concatenated over the towers, in tower order (the
+      order of the input batch), of every worker process.
+
+    Raises:
+      RuntimeError: `fn` belongs to a Keras model whose variables were not created in
+        this strategy's scope.
+    """
+    del options
+    _model_checks.check_step(self, fn)
+    _training.route_step(self, fn)
+    args, kwargs = _training.split_step_inputs(self._ds, args, kwargs)
+    with self._adapter_scope():
+      # Keras runs its steps without AutoGraph (as on one device): towers do the same.
+      step = tf.autograph.experimental.do_not_convert(fn)
+      outputs = self._ds.call_for_each_tower(step, *args, **kwargs)
+      return _training.combine_step_outputs(self._ds, fn, outputs)
+
+  # --- cross-replica reductions Keras may call ---
+
+  def reduce(self, reduce_op, value, axis=None):
+    """Reduces per-tower values over the towers (and over `axis` of each, if given)."""
+    op = _reduce_op_name(reduce_op)
+
+    def one(v):
+      parts = list(v.values) if isinstance(v, _wrapped.DistributedValues) else [v]
+      if axis is not None:
+        reduce_axis = tf.reduce_sum if op == "sum" else tf.reduce_mean
+        parts = [reduce_axis(p, axis=axis) for p in parts]
+      with tf.device(self._ds.worker_devices[0]):
+        total = tf.add_n(parts)
+        return total / len(parts) if op == "mean" else total
+
+    if not _wrapped.is_structure(value):
+      return one(value)
+    return _wrapped.pack_as(value, [one(v) for v in _wrapped.flatten(value)])
+
+  def gather(self, value, axis):
+    return self._ds.gather(value, axis=axis)

@@ -1,0 +1,102 @@
+"""What diststrat refuses before it runs a Keras step, with the fix in the message.
+
+`StrategyAdapter.run` (`_facade.py`) calls `check_step` before every step Keras's trainer
+hands it, and `StrategyAdapter.scope` calls `check_no_other_strategy`. A Keras model runs
+under the strategy it was built under, on every tower, or not at all: never silently on
+one device. These checks only read Keras objects; they change none.
+"""
+
+import typing
+import weakref
+from typing import Any
+
+from diststrat import _context
+from diststrat import _tf_internal
+from diststrat import errors
+from diststrat._arguments import as_tf_variable
+from diststrat.values import _variables
+
+if typing.TYPE_CHECKING:  # _facade imports this module: no import at run time.
+  from diststrat._keras._facade import StrategyAdapter
+
+# Keras model -> the adapter that checked it
+_checked_models: "weakref.WeakKeyDictionary[Any, StrategyAdapter]" = weakref.WeakKeyDictionary()
+
+
+def check_step(adapter, fn):
+  """Refuses to run `fn` (a Keras model's step, or other tf.distribute-aware code) under
+  `adapter`'s strategy where it cannot run as on one device."""
+  strategy = adapter.diststrat_strategy
+  model = getattr(fn, "__self__", None)
+  if hasattr(model, "get_metrics_result"):  # A Keras model's step.
+    check_no_other_strategy(strategy, f"The Keras model {model.name!r}")  # As in scope().
+    check_jit_compile(strategy, model)
+  else:
+    check_no_other_strategy(strategy, "A function run by tf.distribute-aware code")
+  check_model(adapter, model)
+
+
+def check_no_other_strategy(strategy, what):
+  """Raises when a diststrat strategy other than `strategy` has its context current.
+
+  A Keras model fit inside the scope of a strategy other than its own would otherwise
+  fail entering its own strategy's scope, with a message naming a scope the user
+  never entered.
+  """
+  mode = _context.current_mode()
+  if not _context.has_distribution_strategy() or mode.strategy is strategy:
+    return
+  raise errors.ContextError(
+      f"{what} created in the scope of {strategy!r} was used inside "
+      f"{_context.describe_current_context()}: it runs under the strategy it was "
+      "created under, and strategies do not mix. Call fit/evaluate/predict outside any "
+      f"strategy's scope (the model keeps its strategy), or inside the scope of "
+      f"{strategy!r}; to train under {mode.strategy!r}, build and compile the model "
+      "inside that strategy's scope (move the weights with get_weights()/set_weights() "
+      "or a checkpoint).")
+
+
+def check_jit_compile(strategy, model):
+  """Refuses `jit_compile=True` where XLA cannot compile the step (several devices)."""
+  if model is None or not getattr(model, "jit_compile", False):
+    return
+  devices = set(strategy.worker_devices) | set(strategy.parameter_devices)
+  if len(devices) <= 1 and strategy.num_towers <= 1:
+    return  # One device: XLA compiles the step as it would without a strategy.
+  raise ValueError(
+      f"The Keras model {model.name!r} was compiled with jit_compile=True, but under "
+      f"{strategy!r} its step runs on {max(len(devices), strategy.num_towers)} devices "
+      f"({strategy.num_towers} towers, each with its own copy or read of the variables, "
+      "reduced with the others'), and XLA compiles a step for one device: it cannot "
+      "reach the other devices' variables and reductions. Compile it "
+      "with jit_compile=False under this strategy (the default, jit_compile='auto', "
+      "chooses False under a strategy), or train on one device with XLA.")
+
+
+def check_model(adapter, model):
+  """Refuses (never a silent run on one device) a Keras model not made in the scope of
+  `adapter`'s strategy: its variables, and its optimizer. A model that passed is not
+  checked again under the same adapter."""
+  strategy = adapter.diststrat_strategy
+  if model is None or not hasattr(model, "get_metrics_result") or \
+      _checked_models.get(model) is adapter:
+    return
+  foreign = [v.path for v in model.variables
+             if _variables.created_by(as_tf_variable(v)) is not strategy]
+  if foreign:
+    raise errors.ContextError(
+        f"The Keras model {model.name!r} runs under {strategy!r}, so its variables must "
+        f"be that strategy's. Received: {len(foreign)} variables created outside its "
+        f"scope, such as {foreign[:3]}. Build and compile the model inside "
+        "`with strategy.scope():` so that its variables are distributed, or train "
+        "it outside any strategy.")
+  optimizer = getattr(model, "optimizer", None)
+  captured = _tf_internal.keras_optimizer_strategy(optimizer)
+  if captured is not None and captured is not adapter:
+    raise errors.ContextError(
+        f"The Keras model {model.name!r} runs under {strategy!r}, so its optimizer must "
+        "be created in that strategy's scope. Received: an optimizer created outside it "
+        f"({type(optimizer).__name__}). Create the optimizer and compile the model inside "
+        "`with strategy.scope():`.")
+  if model.variables:
+    _checked_models[model] = adapter

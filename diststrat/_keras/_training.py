@@ -1,0 +1,345 @@
+"""Keras training semantics under diststrat: routing, summing, splitting, combining.
+
+What a Keras 3 step must do under a diststrat strategy to train as it does on one
+device, when Keras's trainer calls `StrategyAdapter.run(step, args=(global_batch,))`
+(`_facade.py`):
+
+* Splitting: each global batch is split across the towers (`split_step_inputs`), a
+  tower may get no example.
+* Weighing: Keras divides a tower's mean loss by `num_replicas_in_sync`, which in a
+  tower given part of a batch is a `TowerShare`: it divides by B / n_i, so a ragged
+  batch weighs each tower by its examples.
+* Summing: a Keras optimizer's `apply` called in a tower is taken at its top, the
+  towers' gradients are summed, and Keras's own `apply` runs once, in cross-tower
+  context, on the sum (`route_optimizer`, `apply_from_tower`).
+* Combining: the step's results are the model's metrics read in cross-tower context
+  (exact over all towers), or the towers' predictions concatenated in input order
+  (`combine_step_outputs`).
+
+To do this, diststrat replaces two instance attributes of Keras objects, on the
+instance (`object.__setattr__`, so Keras does not track them); Keras's classes are not
+changed, and the replacement calls the class's own method wherever it is not in a tower
+of the strategy:
+
+* `optimizer.apply` of a Keras optimizer created in a strategy's scope
+  (`route_optimizer`): Keras applies an update in the tower that calls it, clipping
+  before any sum, with `merge_call`s inside `tf.cond` branches that towers tracing a
+  graph cannot merge from.
+* `tracker.update_state` of a compiled model's loss trackers (the "loss" `Mean` and
+  each "<output>_loss" `Mean`; `route_loss_tracker`): Keras weighs a tower's update by
+  the part's static batch size, unknown in a traced step, so the towers' means would
+  be averaged unweighted.
+
+Importing this module registers a tensor conversion for `TowerShare` with TensorFlow.
+"""
+
+import typing
+import weakref
+from typing import Any
+
+from diststrat._tf import tf
+from diststrat import _context
+from diststrat import _input
+from diststrat import _tf_internal
+from diststrat.values import _wrapped
+
+if typing.TYPE_CHECKING:  # _facade imports this module: no import at run time.
+  from diststrat._keras._facade import StrategyAdapter
+
+
+class TowerShare:
+  """`num_replicas_in_sync` inside a tower that was given part of a global batch.
+
+  Keras multiplies each tower's mean loss by `1.0 / num_replicas_in_sync` and the loss
+  it reports by `cast(num_replicas_in_sync)`. With B examples of which this tower got
+  n, the weight that makes the towers' summed gradients one device's is n / B. So this
+  object compares, hashes and multiplies as the tower count N (for Keras's
+  `num_replicas > 1`), while `1.0 / share` is the tensor n / B and converting it to a
+  tensor gives B / n (0 for a tower with no example).
+  """
+
+  def __init__(self, num_towers, batch_share):
+    self._num_towers = int(num_towers)
+    self._share = batch_share  # n / B, a float or a float32 scalar tensor.
+
+  def __int__(self):
+    return self._num_towers
+
+  __index__ = __int__
+
+  def __eq__(self, other):
+    return self._num_towers == other
+
+  def __lt__(self, other):
+    return self._num_towers < other
+
+  def __le__(self, other):
+    return self._num_towers <= other
+
+  def __gt__(self, other):
+    return self._num_towers > other
+
+  def __ge__(self, other):
+    return self._num_towers >= other
+
+  def __hash__(self):
+    return hash(self._num_towers)
+
+  def __mul__(self, other):
+    return self._num_towers * other
+
+  __rmul__ = __mul__
+
+  def __rtruediv__(self, other):
+    share = tf.convert_to_tensor(self._share, tf.float32)
+    return tf.cast(other, tf.float32) * share
+
+  def inverse(self, dtype=None):
+    """B / n as a tensor (0 when n is 0)."""
+    share = tf.convert_to_tensor(self._share, tf.float32)
+    inverse = tf.math.divide_no_nan(tf.ones([], tf.float32), share)
+    return inverse if dtype is None else tf.cast(inverse, dtype)
+
+  def __repr__(self):
+    return f"TowerShare(num_towers={self._num_towers}, batch_share={self._share!r})"
+
+
+tf.register_tensor_conversion_function(
+    TowerShare, lambda value, dtype=None, name=None, as_ref=False: value.inverse(dtype))
+
+
+# --- a Keras optimizer's apply, once per step with the summed gradients ---------------
+
+# Keras optimizer -> its StrategyAdapter
+_routed_optimizers: "weakref.WeakKeyDictionary[Any, StrategyAdapter]" = weakref.WeakKeyDictionary()
+
+
+def route_optimizer(optimizer, adapter):
+  """Makes `optimizer.apply` (and so `apply_gradients`) run once per step, in cross-tower
+  context, with the gradients summed over the towers.
+
+  Keras's optimizer applies its update in the tower that calls it: it clips the
+  gradient there (before any sum), and gradient accumulation, `LossScaleOptimizer` and
+  EMA put `merge_call`s or `strategy.update` inside `tf.cond` branches, which towers
+  tracing a graph cannot merge from. So the call from a tower is taken at its top: one
+  `merge_call` hands the towers' gradients over, they are summed, and Keras's own
+  `apply` runs once in cross-tower context on the sum (`apply_summed`), as on one
+  device: every write to a mirrored variable there goes to all its copies.
+  Called from anywhere but a tower of the adapter's strategy, `apply` is Keras's own.
+
+  The instance's `apply` attribute is set (once per optimizer); Keras's classes are not
+  changed. Only optimizers created in the adapter's scope are routed.
+  """
+  if optimizer is None or _routed_optimizers.get(optimizer) is adapter:
+    return
+  if _tf_internal.keras_optimizer_strategy(optimizer) is not adapter or not callable(
+      getattr(type(optimizer), "apply", None)):
+    return
+  optimizer_ref = weakref.ref(optimizer)
+
+  def apply(grads, trainable_variables=None):
+    return apply_from_tower(adapter, optimizer_ref(), grads, trainable_variables)
+
+  # Plain instance attribute: Keras's own __setattr__ would try to track it.
+  object.__setattr__(optimizer, "apply", apply)
+  _routed_optimizers[optimizer] = adapter
+
+
+# Keras loss tracker -> its StrategyAdapter
+_routed_trackers: "weakref.WeakKeyDictionary[Any, StrategyAdapter]" = weakref.WeakKeyDictionary()
+
+
+def route_loss_tracker(tracker, adapter):
+  """Weighs a loss tracker's tower updates by the tower's share of the batch.
+
+  For the model's "loss" tracker, Keras gives the part's dynamic batch size as weight;
+  only an empty tower's nan (0 / 0) is replaced by 0, so it adds nothing.
+
+  Keras updates the "<output>_loss" `Mean` of a multi-output model with the loss
+  computed on the tower's part and `sample_weight` the part's static batch size, which
+  is unknown (None) in a traced step: each tower would then count as one whole step,
+  and the towers' means would be averaged unweighted (wrong on a ragged batch, and N
+  updates per step where one device makes one). In a tower given part of a batch, a
+  missing `sample_weight` becomes the tower's share n_i / B: the towers' updates add up
+  to one update of the batch's mean, as on one device. A static size (eager steps) is
+  the tower's n_i, already right.
+
+  The instance's `update_state` attribute is set (once per tracker); Keras's classes are
+  not changed.
+  """
+  if _routed_trackers.get(tracker) is adapter:
+    return
+  tracker_ref = weakref.ref(tracker)
+
+  def update_state(values, sample_weight=None):
+    tracker = tracker_ref()
+    tower = _context.get_tower_context()
+    if tower is None or tower.distribution_strategy is not adapter.diststrat_strategy \
+        or tower.batch_share is None:
+      return type(tracker).update_state(tracker, values, sample_weight=sample_weight)
+    share = tower.batch_share
+    if sample_weight is None:
+      sample_weight = tf.cast(share, tf.float32)
+
+    def update():
+      type(tracker).update_state(tracker, values, sample_weight=sample_weight)
+
+    # A tower without an example has no loss (an empty tensor, or 0 / 0): it updates
+    # nothing, where Keras's Mean would add nan.
+    if isinstance(share, (int, float)):
+      return update() if share > 0 else None
+    return tf.cond(tf.cast(share, tf.float32) > 0, update, lambda: None)
+
+  object.__setattr__(tracker, "update_state", update_state)
+  _routed_trackers[tracker] = adapter
+
+
+class SummedGradientsContext:
+  """What `tf.distribute.get_replica_context()` returns while a Keras optimizer applies the
+  gradients summed over the towers, once, in cross-tower context.
+
+  To that code it is the one replica: the gradients are already the global ones, so
+  `all_reduce` returns its value, and `merge_call` calls its function at once (the
+  context is already cross-tower). Keras's `LossScaleOptimizer` asks for a replica
+  context before it applies; this is it.
+  """
+
+  num_replicas_in_sync = 1
+  replica_id_in_sync_group = 0
+
+  def __init__(self, adapter):
+    self._adapter = adapter
+
+  @property
+  def strategy(self):
+    return self._adapter
+
+  @property
+  def devices(self):
+    return tuple(self._adapter.diststrat_strategy.worker_devices[:1])
+
+  def merge_call(self, merge_fn, args=(), kwargs=None):
+    return merge_fn(self._adapter, *args, **(kwargs or {}))
+
+  def all_reduce(self, reduce_op, value, options=None):
+    del reduce_op, options  # One replica: the sum and the mean are the value.
+    return value
+
+
+def apply_from_tower(adapter, optimizer, grads, trainable_variables=None):
+  """A routed Keras optimizer's `apply` (see `route_optimizer`)."""
+  tower = _context.get_tower_context()
+  if tower is None or tower is _context.default_tower_context() or \
+      tower.distribution_strategy is not adapter.diststrat_strategy:
+    return type(optimizer).apply(optimizer, grads, trainable_variables)
+  grads = list(grads)
+  variables = None if trainable_variables is None else list(trainable_variables)
+  tower.merge_call(apply_summed, adapter, optimizer, grads, variables)
+  return None
+
+
+def apply_summed(strategy, adapter, optimizer, grads, variables):
+  """merge_fn: sums the towers' gradients, then runs Keras's `apply` once on the sum."""
+  present = [i for i, g in enumerate(grads) if g is not None]
+  reduced = strategy.batch_reduce("sum", [(grads[i], None) for i in present]) \
+      if present else []
+  first_device = strategy.worker_devices[0]
+  summed = [None] * len(grads)
+  for i, value in zip(present, reduced, strict=True):
+    summed[i] = value.get(first_device) if isinstance(
+        value, _wrapped.DistributedValues) else value
+  with _tf_internal.tf_distribution_mode(adapter, SummedGradientsContext(adapter)):
+    type(optimizer).apply(optimizer, summed, variables)
+
+
+# --- the step: routing, splitting, combining -------------------------------------------
+
+
+def route_step(adapter, fn):
+  """Routes what the Keras step `fn` updates: its model's optimizer and loss trackers."""
+  model = getattr(fn, "__self__", None)
+  route_optimizer(getattr(model, "optimizer", None), adapter)
+  if is_train_or_test_step(fn):
+    for tracker in _tf_internal.keras_output_loss_trackers(model):
+      route_loss_tracker(tracker, adapter)
+    tracker = _tf_internal.keras_loss_tracker(model)
+    if tracker is not None:
+      route_loss_tracker(tracker, adapter)
+
+
+def split_step_inputs(strategy, args, kwargs):
+  """`(args, kwargs)` with every tensor with a batch axis split across the towers.
+
+  Each is split as `distribute_dataset` does (`BatchParts`; a tower may get no
+  example); with several worker processes training on one global batch
+  (MultiWorkerMirroredStrategy), this process's towers take their share. Wrapped values
+  give each tower its component; anything else is passed to every tower as it is.
+  """
+  devices = strategy.worker_devices
+  first_tower, num_towers = strategy._batch_split()  # pylint: disable=protected-access
+
+  def split(x):
+    if isinstance(x, tf.Tensor) and x.shape.rank != 0:
+      return _input.split_batch(x, devices, allow_empty=True, first_tower=first_tower,
+                                num_towers=num_towers)
+    return check_splittable(x)
+
+  structure = (tuple(args), dict(kwargs or {}))
+  return _wrapped.pack_as(structure, [split(x) for x in _wrapped.flatten(structure)])
+
+
+def combine_step_outputs(strategy, fn, outputs):
+  """What `run` returns for the towers' `outputs` of `fn`.
+
+  For a Keras model's `train_step`/`test_step`: its metrics, read in cross-tower context
+  after every tower ran (each tower-local metric summed over towers). For anything else:
+  each output leaf concatenated over the towers, in tower order (the order of the input
+  batch), of every worker process.
+  """
+  if is_train_or_test_step(fn):
+    model = fn.__self__
+    metrics = model.get_metrics_result()  # Cross-tower: tower-local metrics summed.
+    if isinstance(outputs, dict):
+      return {k: metrics[k] if k in metrics else _mean(strategy, v)
+              for k, v in outputs.items()}
+    return _wrapped.pack_as(outputs, [_mean(strategy, v) for v in _wrapped.flatten(outputs)])
+  # Every tower's output, in tower order (the input batch's); with several worker
+  # processes, every worker's (MultiWorkerMirroredStrategy gathers across them).
+  return _wrapped.pack_as(outputs, [strategy.gather(v, axis=0)
+                                    for v in _wrapped.flatten(outputs)])
+
+
+def _mean(strategy, value):
+  """A custom step's output that is not a metric: its mean over every tower.
+
+  With several worker processes (MultiWorkerMirroredStrategy) the mean is over the
+  towers of every worker (a collective: every worker runs the same steps), so every
+  worker logs the same value, as for metrics.
+  """
+  if not isinstance(value, _wrapped.DistributedValues):
+    return value
+  parts = list(value.values)
+  if strategy._num_processes() > 1 and all(  # pylint: disable=protected-access
+      isinstance(p, tf.Tensor) and p.dtype.is_floating for p in parts):
+    return strategy.reduce("mean", value).get(strategy.worker_devices[0])
+  with tf.device(strategy.worker_devices[0]):
+    return tf.add_n(parts) / len(parts)
+
+
+def is_train_or_test_step(fn):
+  """Whether `fn` is a Keras model's own `train_step` or `test_step` (bound to it)."""
+  model = getattr(fn, "__self__", None)
+  if model is None or not hasattr(model, "get_metrics_result"):
+    return False
+  return fn == getattr(model, "train_step", None) or fn == getattr(model, "test_step", None)
+
+
+def check_splittable(value):
+  """`value` if `split_step_inputs` may pass it to every tower whole, else raises."""
+  if isinstance(value, (tf.SparseTensor, tf.RaggedTensor)):
+    raise TypeError(
+        "diststrat splits each batch of model.fit/evaluate/predict across the towers "
+        "along its first axis, which it does for dense tensors only. Received: a "
+        f"{type(value).__name__}. Convert it to a dense tensor (for example in the "
+        "tf.data pipeline) or run the model outside any strategy.")
+  return value
