@@ -28,7 +28,7 @@ Destinations = Any
 """None, a device string or a list of them, a variable, or a wrapped value."""
 
 def _needs_cross_tower(wrapped, instance, args, kwargs):
-  with instance._cross_tower_guard(wrapped.__name__):  # pylint: disable=protected-access
+  with instance._cross_tower_guard(wrapped.__name__):
     return wrapped(*args, **kwargs)
 
 
@@ -70,7 +70,7 @@ class _StrategyScope:
     stack = contextlib.ExitStack()
     try:
       stack.enter_context(_context.cross_tower_mode(strategy))
-      for manager in strategy._scope_context_managers():  # pylint: disable=protected-access
+      for manager in strategy._scope_context_managers():
         stack.enter_context(manager)
     except BaseException:
       stack.close()

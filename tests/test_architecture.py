@@ -10,6 +10,10 @@
   private protocol methods TensorFlow calls on diststrat's objects.
 - Every name the boundary exports has a test named after it in tests/test_tf_internal.py
   (the name, in snake case, is part of the test's name).
+- No module uses another module's private names, except the implementer protocol
+  documented in docs/write_your_own_strategy.md.
+- Only the process layer (cluster/_processes.py, its fork server and namespaces) starts,
+  signals or reaps a process.
 """
 
 import ast
@@ -416,3 +420,105 @@ def test_only_the_process_layer_starts_or_signals_processes(module):
                                   "code = 'libc.prctl(1, 9)'\n"])
 def test_the_process_layer_check_catches(line):
   assert _process_calls(line)
+
+
+# --- private names stay in their module --------------------------------------------------
+
+PROTOCOL_DOC = TESTS.parent / "docs" / "write_your_own_strategy.md"
+# Documented names of the standard library that start with an underscore.
+_STDLIB_PRIVATE = frozenset(["_exit", "_fields", "_asdict", "_replace", "_make",
+                             "_field_defaults"])
+
+
+def _protocol_names():
+  """The underscored names docs/write_your_own_strategy.md documents: the hooks a strategy
+  implements or overrides, and the helpers it calls (the implementer protocol)."""
+  return frozenset(re.findall(r"`(?:self\.|TowerContext\.)?(_[a-z]\w*)\(",
+                              PROTOCOL_DOC.read_text()))
+
+
+def _defined_in(tree):
+  """Every name a module defines: functions, classes, assigned names and attributes,
+  parameters."""
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+      names.add(node.id)
+    elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+      names.add(node.attr)
+    elif isinstance(node, ast.arg):
+      names.add(node.arg)
+  return names
+
+
+def _foreign_private_uses(source, protocol):
+  """(line, what) for each private name of another module that `source` uses: an
+  underscored attribute of an object other than self, cls or super() that the module does
+  not define itself (so: another module's), unless it is part of the implementer
+  protocol; and `from diststrat... import _name` of a name that is not a module."""
+  tree = ast.parse(source)
+  own = _defined_in(tree)
+  found = []
+
+  def foreign(name):
+    return (name.startswith("_") and not name.startswith("__") and name not in own
+            and name not in protocol and name not in _STDLIB_PRIVATE)
+
+  def mine(base):
+    return ((isinstance(base, ast.Name) and base.id in ("self", "cls"))
+            or (isinstance(base, ast.Call) and isinstance(base.func, ast.Name)
+                and base.func.id == "super"))
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and foreign(node.attr) and not mine(node.value):
+      found.append((node.lineno, ast.unparse(node)))
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+          and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+          and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+          and isinstance(node.args[1].value, str) and foreign(node.args[1].value)
+          and not mine(node.args[0])):
+      found.append((node.lineno, ast.unparse(node)))
+    elif (isinstance(node, ast.ImportFrom) and not node.level and node.module
+          and node.module.split(".")[0] == "diststrat"):
+      for alias in node.names:
+        dotted = f"{node.module}.{alias.name}"[len("diststrat."):]
+        if alias.name.startswith("_") and dotted not in MODULES and foreign(alias.name):
+          found.append((node.lineno, f"from {node.module} import {alias.name}"))
+  return found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] != BOUNDARY))
+def test_no_module_uses_another_modules_private_names(module):
+  """Modules talk through their public names; the exceptions are the implementer
+  protocol (docs/write_your_own_strategy.md: hooks and helpers, called across modules by
+  design) and the TensorFlow boundary, which reaches into TensorFlow's privates."""
+  found = _foreign_private_uses(MODULES[module].read_text(), _protocol_names())
+  assert not found, (f"diststrat/{MODULES[module].relative_to(ROOT)} uses private names of "
+                     f"other modules: {found}. Give the name a public one in its module "
+                     "(or, for a strategy hook, document it in "
+                     "docs/write_your_own_strategy.md)")
+
+
+def test_the_protocol_document_names_the_hooks():
+  names = _protocol_names()
+  for hook in ("_create_variable", "_call_for_each_tower", "_reduce", "_batch_reduce",
+               "_merge_call", "_tower_scope", "_batch_split", "_num_processes"):
+    assert hook in names, hook
+
+
+@pytest.mark.parametrize("line, caught", [
+    ("from diststrat.cluster import _local_cluster\nx = _local_cluster._describe_exit(1)",
+     True),
+    ("from diststrat.cluster._processes import _kill", True),
+    ("x = strategy._private_state", True),
+    ("getattr(strategy, '_private_state')", True),
+    ("class A:\n  def _helper(self): pass\ndef f(a): return a._helper()", False),
+    ("x = strategy._batch_split()", False),           # the implementer protocol
+    ("x = self._anything", False),
+    ("from diststrat import _context", False),         # a private module, not a name
+    ("import os\nos._exit(1)", False),
+])
+def test_the_private_use_check_catches(line, caught):
+  assert bool(_foreign_private_uses(line, _protocol_names())) is caught

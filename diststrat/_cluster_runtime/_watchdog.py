@@ -132,13 +132,13 @@ class _HelperThread:
     self.thread.start()
 
   def _main(self, guard):
-    guard._local.inside = True  # pylint: disable=protected-access
+    guard._local.inside = True
     while not self.abandoned and self._left != 0:
       try:
         job = self.jobs.get(timeout=1.0)
       except queue.Empty:
         continue
-      guard._local.epoch = job.epoch  # pylint: disable=protected-access
+      guard._local.epoch = job.epoch
       try:
         job.result = job.fn()
       except BaseException as e:  # pylint: disable=broad-except

@@ -50,7 +50,7 @@ def _file_callback_kinds():
 def redirect_fit_callbacks(strategy):
   """In a worker other than the chief of a multi-process strategy: points the file
   callbacks of the running `fit` at scratch directories (see the module doc)."""
-  if strategy._num_processes() <= 1 or getattr(strategy, "is_chief", True):  # pylint: disable=protected-access
+  if strategy._num_processes() <= 1 or getattr(strategy, "is_chief", True):
     return
   callbacks = _tf_internal.keras_fit_callbacks()
   if callbacks is None:

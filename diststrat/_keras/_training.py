@@ -276,7 +276,7 @@ def split_step_inputs(strategy, args, kwargs):
   give each tower its component; anything else is passed to every tower as it is.
   """
   devices = strategy.worker_devices
-  first_tower, num_towers = strategy._batch_split()  # pylint: disable=protected-access
+  first_tower, num_towers = strategy._batch_split()
 
   def split(x):
     if isinstance(x, tf.Tensor) and x.shape.rank != 0:
@@ -319,7 +319,7 @@ def _mean(strategy, value):
   if not isinstance(value, _wrapped.DistributedValues):
     return value
   parts = list(value.values)
-  if strategy._num_processes() > 1 and all(  # pylint: disable=protected-access
+  if strategy._num_processes() > 1 and all(
       isinstance(p, tf.Tensor) and p.dtype.is_floating for p in parts):
     return strategy.reduce("mean", value).get(strategy.worker_devices[0])
   with tf.device(strategy.worker_devices[0]):

@@ -73,7 +73,7 @@ class ForkedProcess:
   def poll(self) -> Optional[int]:
     """The exit status (negative: killed by that signal), or None while it runs."""
     if self.returncode is None:
-      self.returncode = self._server._request("poll", self.pid)  # pylint: disable=protected-access
+      self.returncode = self._server._request("poll", self.pid)
     return self.returncode
 
   def wait(self, timeout: Optional[float] = None) -> int:
@@ -88,7 +88,7 @@ class ForkedProcess:
   def send_signal(self, sig: int) -> None:
     """Sends `sig` unless the process has exited (a no-op then)."""
     if self.returncode is None:
-      self._server._request("signal", self.pid, int(sig))  # pylint: disable=protected-access
+      self._server._request("signal", self.pid, int(sig))
 
   def kill(self) -> None:
     self.send_signal(signal.SIGKILL)

@@ -200,7 +200,7 @@ class _WorkerRun:
 
   def _start(self, task_id):
     job = dict(self._job, task_id=task_id)
-    return self._cluster._start_child(job, task_name("worker", task_id))  # pylint: disable=protected-access
+    return self._cluster._start_child(job, task_name("worker", task_id))
 
   def restart(self, task_id):
     """Replaces worker `task_id`'s process with a fresh one (call with the cluster's lock)."""
@@ -216,7 +216,7 @@ class _WorkerRun:
   def wait(self, timeout):
     """Returns the results in task order, or raises the first worker's error."""
     deadline = time.monotonic() + timeout
-    lock = self._cluster._processes_lock  # pylint: disable=protected-access
+    lock = self._cluster._processes_lock
     while True:
       with lock:
         pending = [i for i, p in enumerate(self._payloads) if p is None]

@@ -185,7 +185,7 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
         key = (frozenset(destinations), value.primary.dtype)
         groups.setdefault(key, []).append(i)
       else:
-        results[i] = self._fallback._reduce(aggregation, value, destinations)  # pylint: disable=protected-access
+        results[i] = self._fallback._reduce(aggregation, value, destinations)
     mean = aggregation is Aggregation.MEAN
     first = 0
     for indices in groups.values():

@@ -206,7 +206,7 @@ class Optimizer(tf.Module):
 
   def _create_state(self, var_list, strategy):
     """Creates missing state outside any tf.function graph, in `strategy`'s policy."""
-    with tf.init_scope(), strategy._variable_creation_scope():  # pylint: disable=protected-access
+    with tf.init_scope(), strategy._variable_creation_scope():
       self._create_slots([state_owner(v) for v in var_list])
 
   def _zeros_slot(self, var, slot_name):
@@ -222,7 +222,7 @@ class Optimizer(tf.Module):
     strategy = _context.get_distribution_strategy()
     var_name = var.name.split(":")[0]
     with tf.init_scope(), strategy._variable_creation_scope(), \
-        strategy.colocate_vars_with(var):  # pylint: disable=protected-access
+        strategy.colocate_vars_with(var):
       slot = tf.Variable(initial_value, name=f"{var_name}/{self.name}/{slot_name}",
                          trainable=False, dtype=var.dtype)
     named[id(var)] = (var, slot)
@@ -235,7 +235,7 @@ class Optimizer(tf.Module):
     existing = getattr(self, name, None)
     if existing is None:
       strategy = _context.get_distribution_strategy()
-      with tf.init_scope(), strategy._variable_creation_scope():  # pylint: disable=protected-access
+      with tf.init_scope(), strategy._variable_creation_scope():
         colocate = strategy.non_slot_devices(list(var_list))
         with strategy.colocate_vars_with(colocate):
           existing = tf.Variable(initial_value, name=f"{self.name}/{name}", trainable=False)

@@ -346,7 +346,7 @@ class GPipe(tf.Module):
 
 def _build_in_merge_call(strategy, pipe):
   del strategy  # The cross-tower context of it is current.
-  pipe._build(*pipe._pending_build)  # pylint: disable=protected-access
+  pipe._build(*pipe._pending_build)
 
 
 class _StageTowerContext(_context.TowerContext):
@@ -360,7 +360,7 @@ class _StageTowerContext(_context.TowerContext):
     self._tower = tower
 
   def _merge_call(self, merge_fn, args, kwargs):
-    return self._tower._merge_call(merge_fn, args, kwargs)  # pylint: disable=protected-access
+    return self._tower._merge_call(merge_fn, args, kwargs)
 
 
 # --- arguments ---
@@ -489,7 +489,7 @@ def _placement(strategy, column):
   with contextlib.ExitStack() as stack:
     stack.enter_context(tf.init_scope())  # Build out of any tf.function being traced.
     if isinstance(strategy, _mirrored.MirroredStrategy):
-      stack.enter_context(strategy._variable_creation_scope())  # pylint: disable=protected-access
+      stack.enter_context(strategy._variable_creation_scope())
       stack.enter_context(strategy.colocate_vars_with(list(column)))
     stack.enter_context(tf.device(column[0]))
     yield

@@ -121,7 +121,7 @@ class _Tower:
                                      self.runner.num_towers, self.device,
                                      self.batch_share)
       with self.runner.captured.enter(device=self.device), \
-          self.runner.strategy._tower_scope(context):  # pylint: disable=protected-access
+          self.runner.strategy._tower_scope(context):
         self.result = self._fn(*self._args, **self._kwargs)
     except _Aborted:
       pass
@@ -353,7 +353,7 @@ def current_tower(strategy):
   """The `_Tower` of the calling thread if it is a tower thread of `strategy`, else None."""
   context = _context.get_tower_context()
   if isinstance(context, ThreadedTowerContext) and context.distribution_strategy is strategy:
-    return context._tower  # pylint: disable=protected-access
+    return context._tower
   return None
 
 

@@ -468,14 +468,14 @@ class TowerLocalVariable(DistributedVariable):
     with tf.device(self.devices[0]):
       total = tf.math.add_n(values) if len(values) > 1 else tf.identity(values[0])
       if self._strategy is not None:  # Several worker processes: every copy of every one.
-        total = self._strategy._sum_across_processes(total)  # pylint: disable=protected-access
+        total = self._strategy._sum_across_processes(total)
       if self._aggregation == tf.VariableAggregation.MEAN:
         total = total / tf.cast(self._num_copies(), total.dtype)
     return total
 
   def _num_copies(self):
     """The copies of this variable in every process of its strategy."""
-    processes = 1 if self._strategy is None else self._strategy._num_processes()  # pylint: disable=protected-access
+    processes = 1 if self._strategy is None else self._strategy._num_processes()
     return len(self._index) * processes
 
   def value(self) -> tf.Tensor:

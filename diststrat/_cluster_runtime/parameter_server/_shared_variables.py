@@ -206,10 +206,10 @@ def _on_variable_device(name, method):
     def wrapper(self, *args, **kwargs):
       cache = _read_cache.active_cache()
       if cache is not None and cache.applies_to(self):
-        self._check_healthy(name)  # pylint: disable=protected-access
-        return cache.read(self, self._uncached_read)  # pylint: disable=protected-access
-      if self._acknowledged():  # pylint: disable=protected-access
-        self._check_healthy(name)  # pylint: disable=protected-access
+        self._check_healthy(name)
+        return cache.read(self, self._uncached_read)
+      if self._acknowledged():
+        self._check_healthy(name)
         return _bounded_read(self, name)
       return _run_on_ps(self, name, method, args, kwargs)
   elif name in _WRITE_METHODS:
@@ -238,8 +238,8 @@ def _run_on_ps(variable, name, method, args, kwargs):
   connection has seen a failure, every eager method raises `ClusterError` at once,
   until `reconnect()`.
   """
-  variable._check_healthy(name)  # pylint: disable=protected-access
-  if variable._guard is not None and tf.executing_eagerly():  # pylint: disable=protected-access
+  variable._check_healthy(name)
+  if variable._guard is not None and tf.executing_eagerly():
     if name in _ASSIGN_OPS or name in _SCATTER_OPS or name in _SCATTER_ND_OPS:
       return _eager_write(variable, name, *args, **kwargs)
   with tf.device(variable.device):
@@ -290,7 +290,7 @@ def _acknowledged_write(variable, method, op_name, *tensors):
   returns before the PS task ran it (and a dead task's error surfaces at a later read);
   the acknowledgement is an output on this worker that depends on the write.
   """
-  local_device = variable._local_device  # pylint: disable=protected-access
+  local_device = variable._local_device
   write = _write_function(variable.device, op_name, local_device)
 
   def call():
@@ -299,10 +299,10 @@ def _acknowledged_write(variable, method, op_name, *tensors):
     with tf.device(local_device):
       return write(variable.handle, *tensors).numpy()
 
-  if not variable._acknowledged():  # pylint: disable=protected-access
+  if not variable._acknowledged():
     call()  # In a guarded call, or a tower of one: that call bounds it.
     return
-  variable._guard.run(call, f"{method}() of variable {variable.shared_name!r}")  # pylint: disable=protected-access
+  variable._guard.run(call, f"{method}() of variable {variable.shared_name!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -334,7 +334,7 @@ def _bounded_read(variable, method):
   The read runs in the guard's helper thread; tapes of the calling thread see the
   value as a read of the variable.
   """
-  local_device = variable._local_device  # pylint: disable=protected-access
+  local_device = variable._local_device
   read = _read_function(variable.device, local_device, variable.dtype)
 
   def call():
@@ -344,7 +344,7 @@ def _bounded_read(variable, method):
     with tf.device(local_device):  # Else, under a PS device scope, the value stays there.
       return read(variable.handle)
 
-  value = variable._guard.run(  # pylint: disable=protected-access
+  value = variable._guard.run(
       call, f"{method.lstrip('_')}() of variable {variable.shared_name!r}")
   _tf_internal.variable_accessed(variable)
   result = tf.identity(value)
