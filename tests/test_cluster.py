@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -428,6 +429,20 @@ def _slice_assign_then_read_fn(strategy):
   return stale
 
 
+def _autograph_files_fn(strategy):
+  del strategy
+
+  @tf.function
+  def converted(x):
+    if x > 0:  # AutoGraph writes this function to a file in the temporary directory.
+      x += 1
+    return x
+
+  converted(tf.constant(1))
+  return sorted(m.__file__ for n, m in sys.modules.items()
+                if n.startswith("__autograph_generated_file"))
+
+
 def _boom_fn(strategy):
   if strategy.task_id == 1:
     raise KeyError("no such key in task 1")
@@ -491,6 +506,17 @@ def test_an_eager_read_sees_the_slice_assignment_before_it():
   # pending remote ops first, 65 of 200 reads returned the old value.
   with _cluster(num_ps=1) as cluster:
     assert cluster.run_on_workers(_slice_assign_then_read_fn) == [0]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_worker_processes_leave_no_autograph_files():
+  """A worker ends with os._exit, which skips TensorFlow's exit hook that removes the
+  files AutoGraph generated: the worker removes its own first."""
+  with _cluster(num_ps=1) as cluster:
+    [files] = cluster.run_on_workers(_autograph_files_fn)
+  assert files, "the worker's function was not converted by AutoGraph"
+  assert [f for f in files if os.path.exists(f)] == []
 
 
 @pytest.mark.processes

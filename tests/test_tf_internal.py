@@ -5,7 +5,9 @@ here, with a message naming it, instead of deep inside a user's training step.
 """
 
 import os
+import sys
 import threading
+import types
 
 import keras
 import numpy as np
@@ -431,6 +433,29 @@ def test_pass_through_autograph():
   raised = _raise_in_converted_code(error)
   assert raised is error and raised.__notes__ == ["a note"], _broke(
       "pass_through_autograph", f"AutoGraph raised {type(raised).__name__}: {raised}")
+
+
+def test_remove_autograph_generated_files(tmp_path):
+  @tf.function
+  def converted(x):
+    if x > 0:  # AutoGraph converts this function and writes it to a file.
+      x += 1
+    return x
+
+  before = {n for n in sys.modules if n.startswith("__autograph_generated_file")}
+  converted(tf.constant(1))
+  new = {n: sys.modules[n] for n in sys.modules
+         if n.startswith("__autograph_generated_file") and n not in before}
+  assert new and all(os.path.exists(m.__file__) for m in new.values()), _broke(
+      "remove_autograph_generated_files",
+      "AutoGraph no longer loads its generated files as modules named after them")
+  other = tmp_path / "__autograph_generated_file_of_another_process.py"
+  other.write_text("")
+  removed = _tf_internal.remove_autograph_generated_files(
+      dict(new, unrelated=types.ModuleType("unrelated")))
+  assert sorted(removed) == sorted(m.__file__ for m in new.values())
+  assert not any(os.path.exists(path) for path in removed)
+  assert other.exists()  # Only this process's files (the modules it loaded) go.
 
 
 def test_pass_through_autograph_class():

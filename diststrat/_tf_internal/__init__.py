@@ -17,7 +17,7 @@ the job, in the module of its kind:
 | `_tapes` | recording on gradient tapes |
 | `_keras` | Keras 3 variables, optimizers, per-output loss trackers, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable |
 | `_distribute_stack` | TensorFlow's per-thread distribution-mode stack (`tf.distribute.get_strategy()`) |
-| `_autograph` | letting diststrat's errors through AutoGraph |
+| `_autograph` | letting diststrat's errors through AutoGraph; removing its generated files before `os._exit` |
 
 Policy stays with the modules that own it: which collective op version to use
 (diststrat/cross_tower_ops/_collective.py), which TensorFlow errors mean a cluster fault
@@ -33,6 +33,7 @@ objects are.
 
 from diststrat._tf_internal._autograph import pass_through_autograph as pass_through_autograph
 from diststrat._tf_internal._autograph import pass_through_autograph_class as pass_through_autograph_class
+from diststrat._tf_internal._autograph import remove_autograph_generated_files as remove_autograph_generated_files
 from diststrat._tf_internal._base import PROTOCOL_NAMES as PROTOCOL_NAMES
 from diststrat._tf_internal._base import PROTOCOLS as PROTOCOLS
 from diststrat._tf_internal._base import TensorFlowInternalsError as TensorFlowInternalsError
@@ -121,6 +122,7 @@ __all__ = [
     "tf_distribution_mode",
     # AutoGraph
     "pass_through_autograph", "pass_through_autograph_class",
+    "remove_autograph_generated_files",
     # the boundary itself
     "TensorFlowInternalsError", "PROTOCOLS", "PROTOCOL_NAMES",
 ]

@@ -1,9 +1,17 @@
-"""AutoGraph: letting diststrat's errors through as themselves.
+"""AutoGraph: letting diststrat's errors through as themselves; its generated files.
 
 Inside `tf.function`, AutoGraph rebuilds errors raised in converted code from their
 message, as another type (`StagingError`) and without their notes, unless they are
 marked to pass through.
+
+AutoGraph writes each function it converts to a file in the temporary directory
+(`__autograph_generated_file*.py`), loads it as a module and removes it at interpreter
+exit (an `atexit` hook). A process that ends with `os._exit` skips that hook and leaves
+the files behind; `remove_autograph_generated_files` removes this process's own.
 """
+
+import os
+import sys
 
 _AUTOGRAPH_PASS_THROUGH = "ag_pass_through"
 _AUTOGRAPH_METADATA = "ag_error_metadata"
@@ -26,3 +34,26 @@ def pass_through_autograph_class(cls):
   """Class decorator: every error of `cls` passes through AutoGraph as itself."""
   setattr(cls, _AUTOGRAPH_PASS_THROUGH, True)
   return cls
+
+
+_GENERATED_PREFIX = "__autograph_generated_file"
+
+
+def remove_autograph_generated_files(modules=None):
+  """Removes the files AutoGraph generated in this process (for a process about to end
+  with `os._exit`). Returns their paths. `modules` (tests) replaces `sys.modules`.
+
+  AutoGraph loads each generated file as a module named after it, so this process's files
+  are the `__file__`s of the modules in `sys.modules` with that prefix: another
+  process's files are not touched.
+  """
+  removed = []
+  for name, module in list((sys.modules if modules is None else modules).items()):
+    path = getattr(module, "__file__", None)
+    if name.startswith(_GENERATED_PREFIX) and path:
+      try:
+        os.remove(path)
+        removed.append(path)
+      except OSError:
+        pass  # Already gone.
+  return removed

@@ -13,7 +13,8 @@ where FD is its end of a socket pair, and sends one job (a dict) over it:
 
 Every child dies with the fork server, and the fork server with the cluster's process
 (`_forkserver`), so no process outlives the cluster. A child ends with `os._exit` so
-that a step thread still blocked in TensorFlow cannot hold the exit up.
+that a step thread still blocked in TensorFlow cannot hold the exit up; it removes the
+files AutoGraph generated first, which TensorFlow's exit hook would have removed.
 
 A worker job with "cpus" (`LocalCluster(cpus_per_worker=N)`) splits the process's CPU
 into N logical devices before anything else can initialize TensorFlow, so tests and
@@ -29,6 +30,7 @@ import traceback
 import types
 from multiprocessing import connection
 
+from diststrat import _tf_internal
 from diststrat.cluster import _serve
 from diststrat.cluster import _task
 from diststrat.strategies import MultiWorkerMirroredStrategy
@@ -47,6 +49,16 @@ def _load_main(main_path):
   module = types.ModuleType("__mp_main__")
   module.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
   sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
+_INHERITED_MODULES = frozenset(sys.modules)  # The fork server's: its files are its own.
+
+
+def _remove_autograph_files():
+  """Removes the files AutoGraph generated in this task: the task ends with `os._exit`,
+  which skips TensorFlow's exit hook that would remove them."""
+  _tf_internal.remove_autograph_generated_files(
+      {n: m for n, m in list(sys.modules.items()) if n not in _INHERITED_MODULES})
 
 
 def _serve_ps(conn, job):
@@ -90,6 +102,7 @@ def _run_worker(conn, job):
                       "arrays.") from e
   except BaseException as e:  # pylint: disable=broad-except
     payload = _error_payload(e)
+  _remove_autograph_files()  # Before the answer: the cluster may stop the task after it.
   conn.send(payload)
 
 
@@ -109,6 +122,7 @@ def main():
     traceback.print_exc()
     code = 1
   finally:
+    _remove_autograph_files()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
