@@ -557,6 +557,35 @@ def test_a_job_on_hosts_runs_and_says_it_is_not_isolated(tmp_path):
 # --- bad launches: fast, named, nothing left ------------------------------------------
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_help_and_argument_errors_do_not_import_tensorflow(tmp_path):
+  """`--help` and argument errors answer without importing TensorFlow (which takes
+  seconds): the launcher's command line, run as `python -m diststrat.run` runs it."""
+  code = textwrap.dedent("""
+      import sys
+      from diststrat import run
+      for argv in (["--help"], ["--workers", "0", "x.py"], ["--workers", "1", "no.py"]):
+        try:
+          print("status", run.run(argv))
+        except SystemExit as e:
+          print("exit", e.code)
+      print("tensorflow imported:", "tensorflow" in sys.modules)
+      """)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env("none"),
+                        capture_output=True, text=True, timeout=100, check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert "usage: diststrat-run" in proc.stdout
+  assert "exit 0" in proc.stdout and "exit 2" in proc.stdout and "status 2" in proc.stdout, (
+      proc.stdout)
+  assert "tensorflow imported: False" in proc.stdout, proc.stdout
+  help_proc = subprocess.run([sys.executable, "-m", "diststrat.run", "--help"], cwd=tmp_path,
+                             env=_env("none"), capture_output=True, text=True, timeout=100,
+                             check=False)
+  assert help_proc.returncode == 0 and "usage: diststrat-run" in help_proc.stdout
+
+
+
 # In this process (`launcher.run`, the console script's body): no TensorFlow import to wait
 # for, and nothing is started.
 

@@ -27,7 +27,6 @@ import threading
 import time
 
 from diststrat.cluster import _processes
-from diststrat.cluster import _serve
 from diststrat.cluster import _task
 
 RESTART_COUNT_ENV = "DISTSTRAT_RESTART_COUNT"
@@ -168,7 +167,7 @@ class _Task:
     pass_fds: Tuple[int, ...] = ()
     if task_type == "ps":
       self.ready_read, ready_write = os.pipe()
-      env = dict(env, **{_serve.READY_FD_ENV: str(ready_write)})
+      env = dict(env, **{_task.READY_FD_ENV: str(ready_write)})
       pass_fds = (ready_write,)
     try:
       self.process = _processes.start_python(code, argv_tail, env, new_session=True,

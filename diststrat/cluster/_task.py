@@ -12,6 +12,9 @@ with the launcher; then
 - a PS task (`SERVE_CODE`) runs `diststrat.cluster.serve()`.
 """
 
+READY_FD_ENV = "DISTSTRAT_READY_FD"
+"""A file descriptor `serve()` writes one line to once the server is ready (the launcher's)."""
+
 CPUS_ENV = "DISTSTRAT_CPUS_PER_WORKER"
 """Logical CPU devices of a worker process (`--cpus-per-worker`)."""
 
