@@ -59,7 +59,7 @@ LAYERS = [
     ("integrations", ["_keras._variable_rules", "_keras._file_callbacks", "_keras._bridge",
                       "_keras"]),
     ("applications", ["cluster._isolation", "cluster._processes", "cluster._forkserver",
-                      "cluster._serve", "cluster._task", "cluster._job",
+                      "cluster._serve", "cluster._task", "cluster._output", "cluster._job",
                       "cluster._local_cluster", "cluster", "cluster._child", "run",
                       "pipeline._partition", "pipeline._cost", "pipeline._schedule",
                       "pipeline._gpipe", "pipeline", "values", ""]),
