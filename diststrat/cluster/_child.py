@@ -29,10 +29,15 @@ import traceback
 import types
 from multiprocessing import connection
 
+from diststrat import _keras
 from diststrat.cluster import _serve
 from diststrat.cluster import _task
 from diststrat.strategies import MultiWorkerMirroredStrategy
 from diststrat.strategies import ParameterServerStrategy
+
+# As `import diststrat` does on first use: Keras 3 under the strategies a task builds
+# (its function may never use a `diststrat` name).
+_keras.install()
 
 _STRATEGIES = {"parameter_server": ParameterServerStrategy,
                "multi_worker": MultiWorkerMirroredStrategy}
