@@ -16,6 +16,7 @@ import numbers
 from typing import Any, Callable
 
 from diststrat._tf import tf
+from diststrat import _integrations
 
 
 class Aggregation(enum.Enum):
@@ -100,6 +101,7 @@ def as_tf_variable(value):
     >>> as_tf_variable(v) is v, as_tf_variable(3)
     (True, 3)
   """
+  _integrations.install_pending()  # They register the unwrappers.
   for unwrap in _variable_unwrappers:
     inner = unwrap(value)
     if inner is not None:

@@ -39,6 +39,7 @@ import typing
 
 from diststrat._tf import tf
 from diststrat import _devices
+from diststrat import _integrations
 from diststrat import _tf_internal
 from diststrat import errors
 
@@ -119,6 +120,7 @@ def in_default_context():
 @contextlib.contextmanager
 def enter_mode(strategy, tower_context=None):
   """Pushes (strategy, tower_context) on this thread's stack for the body's duration."""
+  _integrations.install_pending()  # The Keras support, however diststrat was imported.
   entry = _Mode(strategy, tower_context)
   stack = _stack()
   stack.append(entry)

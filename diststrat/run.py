@@ -1,7 +1,7 @@
 """`diststrat-run`: start a training program as a cluster job of processes.
 
     diststrat-run --workers N [--ps P] [--cpus-per-worker M] [--max-restarts R] \\
-        script.py [script args...]
+        [--log-dir DIR] [--job-timeout S] script.py [script args...]
 
 starts P parameter-server tasks (`diststrat.cluster.serve()`, no user code) and N
 worker processes of `script.py` on this machine, each with `TF_CONFIG` set for its task,
@@ -9,9 +9,12 @@ so `ds.MultiWorkerMirroredStrategy()` or `ds.ParameterServerStrategy()` with no 
 arguments joins the job. It streams every task's output prefixed with its name
 (`[worker:0] ...`), and ends when every worker has exited: with status 0 if all
 succeeded, else with the first failing task's status (128 + N for a signal N), after
-stopping the others. `--max-restarts R` starts the whole job again, up to R times, after a
-failure: a program that checkpoints (`keras.callbacks.BackupAndRestore`,
-`tf.train.CheckpointManager`) resumes. See docs/launch.md.
+stopping the others, with a summary naming the task that failed first and the last
+lines it wrote. `--log-dir DIR` also keeps one file per task and attempt; `--job-timeout
+S` stops a hung job (exit status 124). `--max-restarts R` starts the whole job again, up
+to R times, after a failure: a program that checkpoints
+(`keras.callbacks.BackupAndRestore`, `tf.train.CheckpointManager`) resumes. See
+docs/launch.md.
 
 This module is the command line only: it checks the arguments and hands a `JobPlan` to
 `cluster/_job.py`, which runs the job through the process layer (`cluster/_processes.py`,
@@ -104,6 +107,15 @@ def _parser():
                       f"host, {DEFAULT_PORT_BASE} with --hosts)")
   parser.add_argument("--start-timeout", type=_seconds, default=DEFAULT_START_TIMEOUT,
                       help="seconds a parameter server may take to start")
+  parser.add_argument("--log-dir", default=None,
+                      help="also write each task's output to a file of its own: "
+                      "LOG_DIR/attempt_0/worker_0.log, ... (one directory per attempt)")
+  parser.add_argument("--job-timeout", type=_seconds, default=None,
+                      help="stop the job (every task, restarts included) after this many "
+                      "seconds; exit status 124")
+  parser.add_argument("--heartbeat-timeout", type=_seconds, default=None,
+                      help="a worker that prints nothing for this many seconds is taken to "
+                      "be hung: the attempt fails (exit status 124)")
   parser.add_argument("script", help="the Python program each worker runs")
   parser.add_argument("script_args", nargs=argparse.REMAINDER,
                       help="arguments of the script")
@@ -147,6 +159,14 @@ class _Options:
         build_cluster_spec(self.hosts, self.num_ps, self.num_workers, self.port_base)
       except ValueError as e:
         raise LaunchError(str(e), _USAGE_ERROR) from e
+    if self.multi_host:
+      _job.check_hosts(self.hosts)
+    self.log_dir = args.log_dir
+    if self.log_dir is not None and os.path.exists(self.log_dir) and not os.path.isdir(
+        self.log_dir):
+      raise LaunchError(f"--log-dir must name a directory (made if missing). Received: "
+                        f"--log-dir {self.log_dir!r}, a file.", _USAGE_ERROR)
+    self.job_timeout, self.heartbeat_timeout = args.job_timeout, args.heartbeat_timeout
 
   def plan(self) -> _job.JobPlan:
     return _job.JobPlan(
@@ -154,7 +174,8 @@ class _Options:
         script_args=self.script_args, cpus=self.cpus, max_restarts=self.max_restarts,
         hosts=self.hosts, host_index=self.host_index, port_base=self.port_base,
         isolate=self.isolate, start_timeout=self.start_timeout,
-        across_hosts=self.multi_host)
+        across_hosts=self.multi_host, log_dir=self.log_dir, job_timeout=self.job_timeout,
+        heartbeat_timeout=self.heartbeat_timeout)
 
 
 def run(argv: list | None = None) -> int:

@@ -36,3 +36,58 @@ def test_submodules_are_attributes():
   assert issubclass(ds.errors.ClusterError, RuntimeError)
   assert issubclass(ds.errors.ContextError, RuntimeError)
   assert issubclass(ds.errors.StructureMismatchError, ValueError)
+
+
+def test_names_load_on_first_use_and_dir_lists_them():
+  """`import diststrat` defers TensorFlow (PEP 562); every public name still resolves,
+  `dir()` and `__all__` list them, and an unknown name is an AttributeError."""
+  assert set(ds.__all__) <= set(dir(ds))
+  for name in ds.__all__:
+    assert getattr(ds, name) is not None
+  assert ds.canonicalize_device is ds._devices.canonicalize
+  with pytest.raises(AttributeError, match="has no attribute 'NoSuchStrategy'"):
+    _ = ds.NoSuchStrategy
+  assert set(ds.cluster.__all__) <= set(dir(ds.cluster))
+  with pytest.raises(AttributeError, match="diststrat.cluster' has no attribute 'nope'"):
+    _ = ds.cluster.nope
+
+
+@pytest.mark.processes
+def test_first_use_imports_tensorflow_and_installs_the_keras_support():
+  code = ("import sys\nimport diststrat as ds\n"
+          "print('before', 'tensorflow' in sys.modules)\n"
+          "from diststrat import MirroredStrategy\n"
+          "from diststrat import _context\n"
+          "from diststrat._keras import _mode_listener\n"
+          "print('after', 'tensorflow' in sys.modules,\n"
+          "      _mode_listener.tf_mode in _context._mode_listeners)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=True).stdout
+  assert "before False" in out and "after True True" in out, out
+
+
+@pytest.mark.processes
+def test_a_program_that_imports_only_a_submodule_gets_the_keras_support():
+  """No `ds.<name>` is ever used: the core installs the Keras support when the first
+  context is entered, so Keras sees the strategy (its towers) inside the scope."""
+  code = ("import tensorflow as tf\n"
+          "cpu = tf.config.list_physical_devices('CPU')[0]\n"
+          "tf.config.set_logical_device_configuration(\n"
+          "    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)\n"
+          "from diststrat.strategies import MirroredStrategy\n"
+          "with MirroredStrategy().scope():\n"
+          "  print('replicas', tf.distribute.get_strategy().num_replicas_in_sync)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=True).stdout
+  assert "replicas 2" in out, out
+
+
+@pytest.mark.processes
+def test_old_tensorflow_is_refused_at_first_use():
+  code = ("import sys, types\n"
+          "sys.modules['tensorflow'] = types.SimpleNamespace(__version__='2.15.0')\n"
+          "import diststrat as ds\n"
+          "try:\n  ds.MirroredStrategy\nexcept ImportError as e:\n  print('ERR', e)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=True).stdout
+  assert "ERR diststrat needs TensorFlow >= 2.16, found 2.15.0" in out, out

@@ -68,12 +68,13 @@ def _env(marker):
   return env
 
 
-def _launch(args, cwd, timeout=JOB_TIMEOUT):
-  """Runs `diststrat-run args` to its end; returns the CompletedProcess (text)."""
+def _launch(args, cwd, timeout=JOB_TIMEOUT, text=True):
+  """Runs `diststrat-run args` to its end; returns the CompletedProcess (text, or bytes
+  with `text=False`)."""
   marker = uuid.uuid4().hex
   try:
     return subprocess.run([sys.executable, "-m", "diststrat.run", *args], cwd=cwd,
-                          env=_env(marker), capture_output=True, text=True,
+                          env=_env(marker), capture_output=True, text=text,
                           timeout=timeout, check=False)
   finally:
     _assert_none_left(marker)
@@ -561,6 +562,35 @@ def test_a_job_on_hosts_runs_and_says_it_is_not_isolated(tmp_path):
 # --- bad launches: fast, named, nothing left ------------------------------------------
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_help_and_argument_errors_do_not_import_tensorflow(tmp_path):
+  """`--help` and argument errors answer without importing TensorFlow (which takes
+  seconds): the launcher's command line, run as `python -m diststrat.run` runs it."""
+  code = textwrap.dedent("""
+      import sys
+      from diststrat import run
+      for argv in (["--help"], ["--workers", "0", "x.py"], ["--workers", "1", "no.py"]):
+        try:
+          print("status", run.run(argv))
+        except SystemExit as e:
+          print("exit", e.code)
+      print("tensorflow imported:", "tensorflow" in sys.modules)
+      """)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env("none"),
+                        capture_output=True, text=True, timeout=100, check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert "usage: diststrat-run" in proc.stdout
+  assert "exit 0" in proc.stdout and "exit 2" in proc.stdout and "status 2" in proc.stdout, (
+      proc.stdout)
+  assert "tensorflow imported: False" in proc.stdout, proc.stdout
+  help_proc = subprocess.run([sys.executable, "-m", "diststrat.run", "--help"], cwd=tmp_path,
+                             env=_env("none"), capture_output=True, text=True, timeout=100,
+                             check=False)
+  assert help_proc.returncode == 0 and "usage: diststrat-run" in help_proc.stdout
+
+
+
 # In this process (`launcher.run`, the console script's body): no TensorFlow import to wait
 # for, and nothing is started.
 
@@ -589,6 +619,24 @@ def test_bad_host_options(tmp_path, capfd, args, match):
   script = _write(tmp_path, "ok.py", "print('hi')\n")
   assert launcher.run(["--workers", "1", *args, str(script)]) == 2
   assert match in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("hosts, match", [
+    ("nosuchhost.invalid", "--hosts names 'nosuchhost.invalid', which does not resolve to an "
+     "address"),
+    ("127.0.0.1,localhost", "--hosts names '127.0.0.1' and 'localhost', which are the same "
+     "machine ("),
+    ("localhost,127.0.0.1", "their tasks would listen on the same ports. Name each machine "
+     "once; to run more tasks on one machine, raise --workers or --ps"),
+])
+def test_hosts_that_cannot_run_a_job_are_refused(tmp_path, capfd, hosts, match):
+  """Refused up front (exit status 2, nothing started), naming the host(s) and the fix."""
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  assert launcher.run(["--workers", "1", "--hosts", hosts, "--task-index", "0",
+                       str(script)]) == 2
+  out, err = capfd.readouterr()
+  assert match in err, err
+  assert "[worker:" not in out + err
 
 
 def test_a_taken_port_in_process_warns_of_no_isolate(tmp_path, capfd):
@@ -643,6 +691,32 @@ def test_a_taken_port(tmp_path):
   assert "[worker:" not in proc.stdout  # Nothing started.
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_a_second_job_on_the_same_port_base_is_refused(tmp_path):
+  """Two --no-isolate jobs from one --port-base: the second is refused at once, while the
+  first one's tasks have not bound their ports yet (as while they import TensorFlow), not
+  later by TensorFlow ("Could not start gRPC server")."""
+  sleeper = _write(tmp_path, "sleep.py", _SLEEPER)
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  base = _free_port_base(2)
+  marker = uuid.uuid4().hex
+  first = _start_and_wait_ready(["--workers", "2", "--no-isolate", "--port-base", str(base),
+                                 str(sleeper)], tmp_path, marker, 2)
+  try:
+    second = _launch(["--workers", "2", "--no-isolate", "--port-base", str(base),
+                      str(script)], tmp_path, timeout=60)
+    assert second.returncode == 1, second.stderr[-4000:]
+    assert (f"The port of task worker:0 (127.0.0.1:{base}) is taken by another "
+            "diststrat-run job on this machine, which started from an overlapping "
+            "--port-base; no task was started. Choose another --port-base") in second.stderr
+    assert "[worker:" not in second.stdout + second.stderr
+  finally:
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=60)
+  _assert_none_left(marker, wait=15)
+
+
 # --- signals to the launcher --------------------------------------------------------------
 
 
@@ -687,3 +761,135 @@ def test_a_signalled_launcher_leaves_nothing_behind(tmp_path, sig, ps):
       process.kill()
       process.wait(10)
   _assert_none_left(marker, wait=15)
+
+
+# --- logs, timeouts, the summary of a failed job, output as the tasks wrote it ---------
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_log_dir_keeps_one_file_per_task_and_attempt(tmp_path):
+  script = _write(tmp_path, "attempts.py", """
+      import json, os, sys
+      index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+      attempt = os.environ["DISTSTRAT_RESTART_COUNT"]
+      print("out of worker", index, "attempt", attempt, flush=True)
+      print("err of worker", index, file=sys.stderr, flush=True)
+      if index == 1 and attempt == "0":
+        sys.exit(5)
+      """)
+  logs = tmp_path / "logs"
+  proc = _launch(["--workers", "2", "--max-restarts", "1", "--log-dir", str(logs),
+                  str(script)], tmp_path, timeout=100)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "[worker:1] out of worker 1 attempt 0" in proc.stdout  # The stream, as before.
+  files = sorted(str(p.relative_to(logs)) for p in logs.rglob("*") if p.is_file())
+  assert files == ["attempt_0/worker_0.log", "attempt_0/worker_1.log",
+                   "attempt_1/worker_0.log", "attempt_1/worker_1.log"], files
+  # Unprefixed, both streams (worker 0 of the first attempt may be stopped early).
+  log = (logs / "attempt_1" / "worker_1.log").read_text()
+  assert sorted(log.splitlines()) == ["err of worker 1", "out of worker 1 attempt 1"], log
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_job_timeout_stops_a_hung_job(tmp_path):
+  script = _write(tmp_path, "sleep.py", _SLEEPER)
+  start = time.monotonic()
+  proc = _launch(["--ps", "0", "--workers", "2", "--job-timeout", "3", str(script)],
+                 tmp_path, timeout=100)
+  assert proc.returncode == 124, proc.stderr[-4000:]
+  assert ("The job ran longer than --job-timeout 3 s (restarts included) and was stopped. "
+          "If it needs longer, give a larger --job-timeout.") in proc.stderr
+  assert "The other tasks were stopped" in proc.stderr
+  assert time.monotonic() - start < 90  # Not the workers' 600 s sleep.
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_heartbeat_timeout_fails_a_silent_worker(tmp_path):
+  script = _write(tmp_path, "silent.py", """
+      import json, os, time
+      index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+      for i in range(3000):  # Worker 0 prints every 0.1 s; worker 1 once, then nothing.
+        if index == 0 or i == 0:
+          print("tick", i, flush=True)
+        time.sleep(0.1)
+      """)
+  proc = _launch(["--workers", "2", "--heartbeat-timeout", "3", "--job-timeout", "80",
+                  str(script)], tmp_path, timeout=100)
+  assert proc.returncode == 124, proc.stderr[-4000:]
+  assert ("Task worker:1 printed nothing for 3 s (--heartbeat-timeout 3), so it was taken "
+          "to be hung.") in proc.stderr
+  assert "Root cause: task worker:1, the first to fail" in proc.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_failed_job_ends_with_a_summary_of_its_root_cause(tmp_path):
+  script = _write(tmp_path, "crash.py", """
+      import json, os, time
+      index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+
+      def divide(n):
+        return 1 / n
+
+      print("worker", index, "starts", flush=True)
+      if index == 1:
+        divide(0)
+      time.sleep(600)
+      """)
+  proc = _launch(["--workers", "2", str(script)], tmp_path, timeout=100)
+  assert proc.returncode == 1, proc.stderr[-4000:]
+  summary = proc.stderr[proc.stderr.index("diststrat-run: the job failed."):].splitlines()
+  assert summary[:5] == [
+      "diststrat-run: the job failed. Root cause: task worker:1, the first to fail, exited "
+      "with code 1 (exit status 1). Its last lines:",
+      "  [worker:1] Traceback (most recent call last):",
+      f'  [worker:1]   File "{script}", line 10, in <module>',
+      "  [worker:1]     divide(0)",
+      f'  [worker:1]   File "{script}", line 6, in divide'], proc.stderr
+  assert summary[-1] == "  [worker:1] ZeroDivisionError: division by zero", proc.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_traceback_starts_at_the_script_as_under_python(tmp_path):
+  """Neither the launcher's code (`<string>`) nor runpy's frames come first: the task's
+  traceback is the one `python script.py` prints."""
+  script = _write(tmp_path, "raise.py", """
+      import sys
+
+      def fail():
+        raise KeyError("missing")
+
+      fail()
+      """)
+  alone = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, check=False)
+  proc = _launch(["--workers", "1", str(script)], tmp_path, timeout=100)
+  assert proc.returncode == alone.returncode == 1, proc.stderr[-4000:]
+  task_lines = [line[len("[worker:0] "):] for line in proc.stderr.splitlines()
+                if line.startswith("[worker:0] ")]
+  assert task_lines == alone.stderr.splitlines(), (task_lines, alone.stderr)
+  assert "runpy" not in proc.stderr and "<string>" not in proc.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_carriage_returns_keep_the_task_prefix(tmp_path):
+  """A progress bar redraws its line with "\\r": every redraw keeps the prefix."""
+  script = _write(tmp_path, "bar.py", """
+      import sys
+      for i in range(3):
+        sys.stdout.write(f"\\rstep {i}/3 [{'=' * i}]")
+        sys.stdout.flush()
+      sys.stdout.write("\\n")
+      sys.stdout.write("a\\rb\\n")
+      sys.stdout.write("no end")
+      """)
+  proc = _launch(["--workers", "1", str(script)], tmp_path, timeout=100, text=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert proc.stdout == (b"\r[worker:0] step 0/3 []\r[worker:0] step 1/3 [=]"
+                         b"\r[worker:0] step 2/3 [==]\n[worker:0] a\r[worker:0] b\n"
+                         b"[worker:0] no end\n"), proc.stdout

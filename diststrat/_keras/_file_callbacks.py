@@ -1,10 +1,12 @@
-"""Keras callbacks that write files, in every worker process of a synchronous cluster.
+"""Keras callbacks that write files, in every worker process of a cluster.
 
-Under `MultiWorkerMirroredStrategy` every worker runs the same `model.fit`, with the
-same callbacks. Those that write files (`ModelCheckpoint`, `CSVLogger`,
-`BackupAndRestore`, `TensorBoard`) must still write in every worker (a save reads the
-tower-local variables, a collective across the workers), but two workers writing one
-path race. So, as tf.distribute's Keras did: the chief (worker 0) writes to the user's
+Under `MultiWorkerMirroredStrategy` and `ParameterServerStrategy` every worker runs the
+same program, so the same `model.fit` with the same callbacks. Those that write files
+(`ModelCheckpoint`, `CSVLogger`, `BackupAndRestore`, `TensorBoard`) must still run in
+every worker (under `MultiWorkerMirroredStrategy` a save reads the tower-local
+variables, a collective across the workers), but two workers writing one path race:
+HDF5 refuses the second writer's lock, or one reads the other's half-written file. So,
+as tf.distribute's Keras did: the chief (worker 0) writes to the user's
 path; every other worker writes to a scratch directory of its own, removed when `fit`
 ends, and the callback's path is given back. User code does not branch on the task.
 
@@ -47,10 +49,18 @@ def _file_callback_kinds():
           keras.callbacks.TensorBoard: "log_dir", keras.callbacks.BackupAndRestore: None}
 
 
+def _other_worker(strategy):
+  """Whether this process is a worker other than the chief, in a job of several."""
+  spec = getattr(strategy, "cluster_spec", None) or {}
+  if len(spec.get("worker", ())) <= 1 or getattr(strategy, "task_type", None) != "worker":
+    return False
+  return not getattr(strategy, "is_chief", strategy.task_id == 0)
+
+
 def redirect_fit_callbacks(strategy):
-  """In a worker other than the chief of a multi-process strategy: points the file
-  callbacks of the running `fit` at scratch directories (see the module doc)."""
-  if strategy._num_processes() <= 1 or getattr(strategy, "is_chief", True):
+  """In a worker other than the chief of a cluster: points the file callbacks of the
+  running `fit` at scratch directories (see the module doc)."""
+  if not _other_worker(strategy):
     return
   callbacks = _tf_internal.keras_fit_callbacks()
   if callbacks is None:

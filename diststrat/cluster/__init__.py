@@ -34,12 +34,38 @@ Example::
       losses = cluster.run_on_workers(train, steps=100)
 """
 
-from diststrat._cluster_runtime._environment import ClusterConfig as ClusterConfig
-from diststrat._cluster_runtime._environment import (
-    cluster_from_environment as cluster_from_environment)
-from diststrat._cluster_runtime._environment import cluster_from_slurm as cluster_from_slurm
-from diststrat.cluster._local_cluster import LocalCluster as LocalCluster
-from diststrat.cluster._serve import serve as serve
+import importlib
+import typing
 
 __all__ = ["LocalCluster", "serve", "ClusterConfig", "cluster_from_environment",
            "cluster_from_slurm"]
+
+# Loaded on first use (PEP 562): `diststrat-run` imports this package's `_job` without
+# TensorFlow, which `LocalCluster` and `serve` import.
+_NAMES = {
+    "ClusterConfig": "diststrat._cluster_runtime._environment",
+    "cluster_from_environment": "diststrat._cluster_runtime._environment",
+    "cluster_from_slurm": "diststrat._cluster_runtime._environment",
+    "LocalCluster": "diststrat.cluster._local_cluster",
+    "serve": "diststrat.cluster._serve",
+}
+
+if typing.TYPE_CHECKING:
+  from diststrat._cluster_runtime._environment import ClusterConfig as ClusterConfig
+  from diststrat._cluster_runtime._environment import (
+      cluster_from_environment as cluster_from_environment)
+  from diststrat._cluster_runtime._environment import cluster_from_slurm as cluster_from_slurm
+  from diststrat.cluster._local_cluster import LocalCluster as LocalCluster
+  from diststrat.cluster._serve import serve as serve
+
+
+def __getattr__(name: str) -> typing.Any:
+  if name in _NAMES:
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+    globals()[name] = value
+    return value
+  raise AttributeError(f"module 'diststrat.cluster' has no attribute {name!r}")
+
+
+def __dir__() -> typing.List[str]:
+  return sorted(set(globals()) | set(_NAMES))

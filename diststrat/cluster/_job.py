@@ -16,6 +16,7 @@ computes the same one (`build_cluster_spec`).
 from typing import List, Optional, Tuple
 
 import dataclasses
+import ipaddress
 import json
 import os
 import select
@@ -26,8 +27,8 @@ import sys
 import threading
 import time
 
+from diststrat.cluster import _output
 from diststrat.cluster import _processes
-from diststrat.cluster import _serve
 from diststrat.cluster import _task
 
 RESTART_COUNT_ENV = "DISTSTRAT_RESTART_COUNT"
@@ -36,6 +37,8 @@ _GRACE = 5.0  # Seconds between SIGTERM and SIGKILL when a task is stopped.
 _POLL = 0.05
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 USAGE_ERROR = 2
+TIMEOUT_STATUS = 124
+"""The exit status of a job stopped by --job-timeout or --heartbeat-timeout (as timeout(1))."""
 
 
 class LaunchError(Exception):
@@ -97,6 +100,71 @@ def tf_config(spec: dict, task_type: str, task_id: int) -> str:
   return json.dumps({"cluster": spec, "task": {"type": task_type, "index": task_id}})
 
 
+# --- the hosts of a job across machines ---
+
+_RESOLVE_TIMEOUT = 10.0
+
+
+def _addresses(host, timeout):
+  """The addresses `host` resolves to, as [(family, sockaddr)]; raises `LaunchError`."""
+  found = {}
+
+  def resolve():
+    try:
+      found["infos"] = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+      found["error"] = e
+
+  thread = threading.Thread(target=resolve, daemon=True, name="diststrat-run-resolve")
+  thread.start()
+  thread.join(timeout)
+  if "infos" in found:
+    return sorted({(info[0], info[4]) for info in found["infos"]})
+  why = (f"({getattr(found['error'], 'strerror', None) or found['error']})"
+         if "error" in found else f"(no answer within {timeout:g} s)")
+  raise LaunchError(
+      f"--hosts names {host!r}, which does not resolve to an address {why}; no task was "
+      "started. Give each host's name as every host of the job resolves it (DNS or "
+      "/etc/hosts), or its IP address.", USAGE_ERROR)
+
+
+def _is_this_machine(family, sockaddr):
+  """Whether an address is this machine's: a loopback one, or one it can bind."""
+  try:
+    if ipaddress.ip_address(str(sockaddr[0]).split("%")[0]).is_loopback:
+      return True
+  except ValueError:
+    return False
+  with socket.socket(family, socket.SOCK_STREAM) as sock:
+    try:
+      sock.bind((sockaddr[0], 0, *sockaddr[2:]))
+      return True
+    except OSError:
+      return False
+
+
+def check_hosts(hosts: List[str], timeout: float = _RESOLVE_TIMEOUT) -> None:
+  """Refuses `--hosts` that cannot run a job: a name that does not resolve, or two names
+  of one machine (its tasks would share ports: each host's start at --port-base).
+
+  Raises:
+    LaunchError: naming the host(s) and the fix (exit status 2).
+  """
+  resolved = {host: _addresses(host, timeout) for host in hosts}
+  local = [h for h in hosts if any(_is_this_machine(*a) for a in resolved[h])]
+  for i, a in enumerate(hosts):
+    for b in hosts[i + 1:]:
+      shared = sorted({s[0] for _, s in resolved[a]} & {s[0] for _, s in resolved[b]})
+      if shared or (a in local and b in local):
+        why = (f"both resolve to {', '.join(map(str, shared))}" if shared else
+               "both are addresses of this machine")
+        raise LaunchError(
+            f"--hosts names {a!r} and {b!r}, which are the same machine ({why}): their "
+            "tasks would listen on the same ports. Name each machine once; to run more "
+            "tasks on one machine, raise --workers or --ps (they count per host).",
+            USAGE_ERROR)
+
+
 @dataclasses.dataclass
 class JobPlan:
   """What to run: a job of `num_ps` PS and `num_workers` worker tasks per host.
@@ -116,6 +184,9 @@ class JobPlan:
   isolate: bool = True
   start_timeout: float = 120.0
   across_hosts: bool = False  # Given --hosts: a job across machines (never isolated).
+  log_dir: Optional[str] = None  # One file per task and attempt: log_dir/attempt_0/ps_0.log.
+  job_timeout: Optional[float] = None  # Seconds the whole job may run, restarts included.
+  heartbeat_timeout: Optional[float] = None  # Seconds a worker may print nothing.
 
   def cluster_spec(self) -> dict:
     if self.port_base is None:  # One host, free ports (any: the spec lists each one).
@@ -133,42 +204,18 @@ def _name(task_type, task_id):
   return f"{task_type}:{task_id}"
 
 
-class _Output:
-  """Copies a task's output to the launcher's, each line prefixed with the task's name."""
-
-  _lock = threading.Lock()
-
-  def __init__(self, name, pipe, sink):
-    self._prefix = f"[{name}] ".encode()
-    self._pipe, self._sink = pipe, sink
-    self.thread = threading.Thread(target=self._copy, daemon=True,
-                                   name=f"diststrat-run-output-{name}")
-    self.thread.start()
-
-  def _copy(self):
-    for line in iter(self._pipe.readline, b""):
-      if not line.endswith(b"\n"):
-        line += b"\n"
-      with self._lock:
-        try:
-          self._sink.write(self._prefix + line)
-          self._sink.flush()
-        except (OSError, ValueError):
-          pass
-    self._pipe.close()
-
-
 class _Task:
   """One task's process (in its own process group) and the threads copying its output."""
 
-  def __init__(self, task_type, task_id, env, code, argv_tail):
+  def __init__(self, task_type, task_id, env, code, argv_tail, log_path=None):
     self.task_type, self.task_id = task_type, task_id
     self.name = _name(task_type, task_id)
     self.ready_read = None
+    self.output = _output.TaskOutput(self.name, log_path)
     pass_fds: Tuple[int, ...] = ()
     if task_type == "ps":
       self.ready_read, ready_write = os.pipe()
-      env = dict(env, **{_serve.READY_FD_ENV: str(ready_write)})
+      env = dict(env, **{_task.READY_FD_ENV: str(ready_write)})
       pass_fds = (ready_write,)
     try:
       self.process = _processes.start_python(code, argv_tail, env, new_session=True,
@@ -177,8 +224,8 @@ class _Task:
       if pass_fds:
         os.close(ready_write)
     assert self.process.stdout is not None and self.process.stderr is not None
-    self.outputs = [_Output(self.name, self.process.stdout, sys.stdout.buffer),
-                    _Output(self.name, self.process.stderr, sys.stderr.buffer)]
+    self.output.follow("stdout", self.process.stdout, sys.stdout.buffer)
+    self.output.follow("stderr", self.process.stderr, sys.stderr.buffer)
 
   def poll(self):
     return self.process.poll()
@@ -186,8 +233,9 @@ class _Task:
   def signal_group(self, sig):
     _processes.signal_group(self.process, sig)
 
-  def wait_ready(self, deadline, timeout):
-    """Waits for a PS task's "ready" line; raises `LaunchError` if it exits or is late."""
+  def wait_ready(self, deadline):
+    """Waits for a PS task's "ready" line until `deadline`: True once it serves, False
+    when the deadline passed, or the task's `_Failure` if it exited."""
     line = b""
     try:
       while time.monotonic() < deadline:
@@ -195,28 +243,47 @@ class _Task:
           chunk = os.read(self.ready_read, 64)
           line += chunk
           if b"\n" in line:
-            return
+            return True
           if not chunk and self.poll() is None:
             time.sleep(_POLL)
-        if self.poll() is not None:
-          raise LaunchError(
-              f"Parameter server {self.name} {_processes.describe_exit(self.poll())} "
-              "while starting (its output, if any, is above).",
-              _processes.exit_status(self.poll()) or 1)
-      raise LaunchError(f"Parameter server {self.name} did not start within "
-                        f"--start-timeout {timeout:g} s.", 1)
+        code = self.poll()
+        if code is not None:
+          how = _processes.describe_exit(code)
+          return _Failure(self, _processes.exit_status(code) or 1,
+                          f"Parameter server {self.name} {how} while starting (its output, "
+                          "if any, is above).", f"{how} while starting")
+      return False
     finally:
       os.close(self.ready_read)
       self.ready_read = None
 
 
+@dataclasses.dataclass
+class _Failure:
+  """Why an attempt ended: the task that failed first (None: no task, such as a taken
+  port), the launcher's exit status, and the message saying so."""
+  task: Optional[_Task]
+  status: int
+  message: str
+  how: str = ""  # How the task ended, for the summary: "exited with code 7".
+  restart: bool = True  # Whether --max-restarts may start the job again.
+
+
+def _job_timeout(plan):
+  return _Failure(None, TIMEOUT_STATUS,
+                  f"The job ran longer than --job-timeout {plan.job_timeout:g} s (restarts "
+                  "included) and was stopped. If it needs longer, give a larger "
+                  "--job-timeout.", restart=False)
+
+
 class _Job:
   """One attempt of the job: this host's tasks, started, watched, stopped."""
 
-  def __init__(self, plan, attempt, network):
+  def __init__(self, plan, attempt, network, deadline=None):
     self._plan = plan
     self._attempt = attempt
     self._network = network
+    self._deadline = deadline  # --job-timeout's, on the monotonic clock.
     self.tasks: List[_Task] = []
 
   def _environment(self, spec, task_type, task_id):
@@ -251,7 +318,19 @@ class _Job:
               f"another process ({e.strerror}); no task was started. Choose another "
               "--port-base, or leave it out to use free ports.", 1) from e
 
-  def start(self):
+  def _log_path(self, task_type, task_id):
+    if self._plan.log_dir is None:
+      return None
+    directory = os.path.join(self._plan.log_dir, f"attempt_{self._attempt}")
+    try:
+      os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+      raise LaunchError(f"--log-dir: cannot create {directory!r} ({e.strerror}).", 1) from e
+    return os.path.join(directory, f"{task_type}_{task_id}.log")
+
+  def start(self) -> Optional[_Failure]:
+    """Starts this host's tasks, PS tasks first (each must serve before the workers
+    start); returns the failure that stopped the start, if any."""
     plan = self._plan
     spec = plan.cluster_spec()
     mine = tasks_of_host(plan.host_index, plan.num_ps, plan.num_workers)
@@ -264,31 +343,47 @@ class _Job:
       else:
         code, tail = prologue + _task.WORKER_CODE, [plan.script] + plan.script_args
       task = _Task(task_type, task_id, self._environment(spec, task_type, task_id),
-                   code, tail)
+                   code, tail, self._log_path(task_type, task_id))
       self.tasks.append(task)
       if task_type == "ps":  # Workers start once every PS of this host serves.
-        task.wait_ready(deadline, plan.start_timeout)
+        ready = task.wait_ready(min(deadline, self._deadline or deadline))
+        if isinstance(ready, _Failure):
+          return ready
+        if not ready:
+          if self._deadline is not None and time.monotonic() >= self._deadline:
+            return _job_timeout(plan)
+          how = f"did not start within --start-timeout {plan.start_timeout:g} s"
+          return _Failure(task, 1, f"Parameter server {task.name} {how}.", how)
+    return None
 
-  def wait(self):
-    """Waits for the workers; returns None if all succeeded, else the first failure
-    as (task, exit status, message)."""
+  def wait(self) -> Optional[_Failure]:
+    """Waits for the workers; returns None if all succeeded, else the first failure."""
+    heartbeat = self._plan.heartbeat_timeout
     while True:
       workers_done = True
+      now = time.monotonic()
       for task in self.tasks:
         code = task.poll()
         if task.task_type == "ps":
           if code is not None:
-            return (task, _processes.exit_status(code) or 1,
-                    f"Parameter server {task.name} {_processes.describe_exit(code)} while "
-                    "the workers ran (its output, if any, is above).")
+            how = _processes.describe_exit(code)
+            return _Failure(task, _processes.exit_status(code) or 1,
+                            f"Parameter server {task.name} {how} while the workers ran (its "
+                            "output, if any, is above).", how)
         elif code is None:
           workers_done = False
+          if heartbeat is not None and now - task.output.last_output > heartbeat:
+            how = f"printed nothing for {heartbeat:g} s (--heartbeat-timeout {heartbeat:g})"
+            return _Failure(task, TIMEOUT_STATUS,
+                            f"Task {task.name} {how}, so it was taken to be hung.", how)
         elif code != 0:
-          return (task, _processes.exit_status(code),
-                  f"Task {task.name} {_processes.describe_exit(code)} (its output is "
-                  "above).")
+          how = _processes.describe_exit(code)
+          return _Failure(task, _processes.exit_status(code),
+                          f"Task {task.name} {how} (its output is above).", how)
       if workers_done:
         return None
+      if self._deadline is not None and now >= self._deadline:
+        return _job_timeout(self._plan)
       time.sleep(_POLL)
 
   def stop(self):
@@ -312,8 +407,7 @@ class _Job:
         os.close(task.ready_read)
         task.ready_read = None
     for task in self.tasks:
-      for output in task.outputs:
-        output.thread.join(_GRACE)
+      task.output.close(_GRACE)
 
 
 # --- the job ---
@@ -334,20 +428,71 @@ def _network(plan):
   return network
 
 
+def _summary(failure: _Failure) -> None:
+  """Says which task caused a failed job, how it ended and the last lines it wrote."""
+  if failure.task is None:
+    return
+  task = failure.task
+  lines = task.output.last_lines()
+  say(f"the job failed. Root cause: task {task.name}, the first to fail, {failure.how} "
+      f"(exit status {failure.status}). " +
+      ("Its last lines:" if lines else "It wrote nothing."))
+  if lines:
+    sys.stderr.write("".join(f"  [{task.name}] {line}\n" for line in lines))
+    sys.stderr.flush()
+
+
+def _claim_ports(plan, network):
+  """Claims this host's ports of `--port-base` for as long as the launcher runs: another
+  launcher on this machine that names the same ports is refused at once, before the
+  first one's tasks bind them (which takes them seconds, TensorFlow's import). A claim is
+  an abstract Unix socket, which Linux removes when the process ends, however it ends.
+  Returns the sockets; nothing to claim under a private network or with free ports."""
+  if plan.port_base is None or network.namespace is not None or not sys.platform.startswith(
+      "linux"):
+    return []
+  spec = plan.cluster_spec()
+  claims = []
+  try:
+    for task_type, task_id in tasks_of_host(plan.host_index, plan.num_ps, plan.num_workers):
+      address = spec[task_type][task_id]
+      port = int(address.rsplit(":", 1)[1])
+      sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+      claims.append(sock)
+      try:
+        sock.bind(f"\0diststrat-run-port-{port}")
+      except OSError as e:
+        raise LaunchError(
+            f"The port of task {_name(task_type, task_id)} ({address}) is taken by another "
+            "diststrat-run job on this machine, which started from an overlapping "
+            f"--port-base; no task was started. Choose another --port-base (this job's "
+            f"{plan.port_base} needs ports {plan.port_base} to "
+            f"{plan.port_base + plan.num_ps + plan.num_workers - 1}), or leave it out to "
+            "use free ports.", 1) from e
+    return claims
+  except BaseException:
+    for sock in claims:
+      sock.close()
+    raise
+
+
 def run_job(plan: JobPlan) -> int:
   """Runs the job (restarts included) until its workers are done; returns the launcher's
   exit status. Raises `Interrupted` once every task is stopped after SIGINT/SIGTERM
   (the caller's signal handlers raise it)."""
   network = _network(plan)
+  claims: List[socket.socket] = []
+  deadline = (None if plan.job_timeout is None else
+              time.monotonic() + plan.job_timeout)
   try:
+    claims = _claim_ports(plan, network)
     attempt = 0
     while True:
-      job = _Job(plan, attempt, network)
+      job = _Job(plan, attempt, network, deadline)
       try:
-        job.start()
-        failure = job.wait()
+        failure = job.start() or job.wait()
       except LaunchError as e:
-        failure = (None, e.status, str(e))
+        failure = _Failure(None, e.status, str(e))
       finally:
         # SIGINT/SIGTERM wait until every task is stopped, then interrupt.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
@@ -357,15 +502,20 @@ def run_job(plan: JobPlan) -> int:
           signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
       if failure is None:
         return 0
-      task, status, message = failure
-      others = [t for t in job.tasks if t is not task]
-      say(message + (" The other tasks were stopped." if others else ""))
-      if attempt >= plan.max_restarts:
+      others = [t for t in job.tasks if t is not failure.task]
+      say(failure.message + (" The other tasks were stopped." if others else ""))
+      if attempt >= plan.max_restarts or not failure.restart:
         if plan.max_restarts:
           say(f"giving up after {attempt} restart(s) (--max-restarts "
-              f"{plan.max_restarts}); exit status {status}.")
-        return status
+              f"{plan.max_restarts}); exit status {failure.status}.")
+        _summary(failure)
+        return failure.status
       attempt += 1
       say(f"restarting the job ({attempt} of --max-restarts {plan.max_restarts}).")
+  except LaunchError as e:
+    say(str(e))
+    return e.status
   finally:
+    for sock in claims:
+      sock.close()
     network.close()

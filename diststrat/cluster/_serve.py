@@ -13,9 +13,7 @@ import time
 from diststrat._tf import tf
 from diststrat._cluster_runtime import _cluster_spec
 from diststrat._cluster_runtime import _exposure
-
-READY_FD_ENV = "DISTSTRAT_READY_FD"
-"""A file descriptor `serve()` writes one line to once the server is ready (the launcher's)."""
+from diststrat.cluster._task import READY_FD_ENV
 
 _WARM_UP_JOB = "diststrat_warm_up"
 _SLEEP = 3600.0

@@ -7,15 +7,21 @@ with the launcher; then
 - a worker (`WORKER_CODE`) splits the CPU into the logical devices of
   `--cpus-per-worker` (before the program can initialize TensorFlow; TensorFlow is
   imported only then) and runs the program as `__main__`, as `python script.py args`
-  would (`sys.argv`, `sys.path[0]`); diststrat itself is not imported, so a program that
-  does not use it runs as it would alone;
+  would (`sys.argv`, `sys.path[0]`, a traceback that starts at the script); diststrat
+  itself is not imported, so a program that does not use it runs as it would alone;
 - a PS task (`SERVE_CODE`) runs `diststrat.cluster.serve()`.
 """
+
+READY_FD_ENV = "DISTSTRAT_READY_FD"
+"""A file descriptor `serve()` writes one line to once the server is ready (the launcher's)."""
 
 CPUS_ENV = "DISTSTRAT_CPUS_PER_WORKER"
 """Logical CPU devices of a worker process (`--cpus-per-worker`)."""
 
-# sys.argv is ["-c", script, args...]; the program sees [script, args...].
+# sys.argv is ["-c", script, args...]; the program sees [script, args...] and an absolute
+# __file__, as under `python script.py`. An exception the program does not catch is
+# reported as `python script.py` would: its traceback starts at the script's frame (not
+# this code's, nor runpy's), and the task exits with 1.
 WORKER_CODE = (
     "import os as _o, runpy as _r, sys as _s\n"
     f"_n = int(_o.environ.pop('{CPUS_ENV}', '0') or 0)\n"
@@ -28,8 +34,19 @@ WORKER_CODE = (
     "  del _t\n"
     "_s.argv[:] = _s.argv[1:]\n"
     "_s.path[0] = _o.path.dirname(_o.path.abspath(_s.argv[0]))\n"
-    "del _o, _s, _n\n"
-    "_r.run_path(__import__('sys').argv[0], run_name='__main__')\n")
+    "_p = _o.path.abspath(_s.argv[0])\n"
+    "del _n\n"
+    "try:\n"
+    "  _r.run_path(_p, run_name='__main__')\n"
+    "except (SystemExit, KeyboardInterrupt):\n"
+    "  raise\n"
+    "except BaseException as _e:\n"
+    "  _b = _e.__traceback__\n"
+    "  while _b is not None and _o.path.abspath(_b.tb_frame.f_code.co_filename) != _p:\n"
+    "    _b = _b.tb_next\n"
+    "  _e = _e.with_traceback(_b or _e.__traceback__)\n"
+    "  _s.excepthook(type(_e), _e, _e.__traceback__)\n"
+    "  _s.exit(1)\n")
 
 SERVE_CODE = "from diststrat.cluster import _serve\n_serve.serve()\n"
 
