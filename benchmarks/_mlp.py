@@ -5,8 +5,6 @@ the same initial values, batch and loss in both, so every contender's losses agr
 Numpy only at import: a worker imports TensorFlow itself, after setting its devices.
 """
 
-import statistics
-
 import numpy as np
 
 BATCH = 256
@@ -39,9 +37,3 @@ def loss_fn(tf, variables, x, y):
   h = tf.nn.relu(h @ w2 + b2)
   logits = h @ w3 + b3
   return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)) / BATCH
-
-
-def summarize(values):
-  """Median, min, max and the values themselves."""
-  return {"median": statistics.median(values), "min": min(values), "max": max(values),
-          "values": values}

@@ -26,8 +26,6 @@ Usage:
 import contextlib
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
@@ -218,20 +216,9 @@ def run_group(kind, towers, rounds, steps):
       entry["examples_per_s"].append(steps * BATCH / elapsed)
   for entry in entries:
     del entry["model"], entry["dataset"]
-    values = sorted(entry.pop("examples_per_s"))
-    entry["throughput"] = {"median": statistics.median(values), "min": values[0],
-                           "max": values[-1]}
+    entry["throughput"] = _common.summarize(entry.pop("examples_per_s"), keep_values=False)
     entry.update(model=kind, towers=len(devices))
   return entries
-
-
-def run_in_subprocess(kind, args, rounds, steps):
-  cmd = [sys.executable, os.path.abspath(__file__), "--group", kind, "--rounds", str(rounds),
-         "--steps", str(steps), "--num_devices", str(args.num_devices)]
-  out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
-  if out.returncode != 0:
-    raise RuntimeError(f"benchmark group {kind} failed:\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def print_table(kind, entries):
@@ -246,15 +233,16 @@ def print_table(kind, entries):
         "first fit call (s) | first fit call vs tf.distribute default | "
         "first fit call vs fastest tf.distribute |")
   print("|---|---|---|---|---|---|---|---|")
+  ratio = _common.format_ratio
   for e in entries:
     t = e["throughput"]
     # The first-call ratios go into the JSON report too (entries are written after this).
     e["first_call_vs_tf_default"] = e["first_call_s"] / first_default
     e["first_call_vs_fastest_tf"] = e["first_call_s"] / first_fastest
-    print(f"| {e['label']} | {e['reduction']} | {t['median']:.0f} ({t['min']:.0f}-"
-          f"{t['max']:.0f}) | {t['median'] / best_tf['throughput']['median']:.2f}x | "
-          f"{t['median'] / none['throughput']['median']:.2f}x | {e['first_call_s']:.2f} | "
-          f"{e['first_call_vs_tf_default']:.2f}x | {e['first_call_vs_fastest_tf']:.2f}x |")
+    print(f"| {e['label']} | {e['reduction']} | {_common.format_summary(t)} | "
+          f"{ratio(t['median'] / best_tf['throughput']['median'])} | "
+          f"{ratio(t['median'] / none['throughput']['median'])} | {e['first_call_s']:.2f} | "
+          f"{ratio(e['first_call_vs_tf_default'])} | {ratio(e['first_call_vs_fastest_tf'])} |")
   sys.stdout.flush()
 
 
@@ -274,7 +262,8 @@ def main(argv):
   except ImportError:
     pass
   for kind in (["mlp", "mlp" + MIXED] if args.quick else ["mlp", "cnn", "mlp" + MIXED]):
-    entries = run_in_subprocess(kind, args, rounds, steps)
+    entries = _common.run_group(__file__, kind, timeout=1800, rounds=rounds, steps=steps,
+                                num_devices=args.num_devices)
     report["results"].extend(entries)
     print_table(kind, entries)
   _common.write_report(report, args.out)

@@ -29,8 +29,6 @@ Usage:
 
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
@@ -398,14 +396,8 @@ def peak_memory(library, ops_name, steps):
       "b.sync()\n"
       "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)\n"
   ) % (os.path.dirname(os.path.abspath(__file__)), build, ops_name, steps)
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=600, check=True)
-  return float(out.stdout.strip().splitlines()[-1])
-
-
-def summarize(values):
-  values = sorted(values)
-  return {"median": statistics.median(values), "min": values[0], "max": values[-1]}
+  return float(_common.run_in_subprocess(["-c", code], name=f"peak memory of {library} "
+                                         f"{ops_name}", timeout=600))
 
 
 def run_group(group, quick, rounds):
@@ -420,7 +412,7 @@ def run_group(group, quick, rounds):
     warm_up(devices, len(devices), quick)
     entries = run_batch_reduce(devices, [1, 16] if quick else [1, 16, 64], rounds)
     for e in entries:
-      e["throughput"] = summarize(e.pop("gb_per_s"))
+      e["throughput"] = _common.summarize(e.pop("gb_per_s"), keep_values=False)
     return entries
   model, n = group.split(":")
   n = int(n)
@@ -430,18 +422,8 @@ def run_group(group, quick, rounds):
   entries = run_throughput(spec, devices, n, rounds, steps, quick)
   for e in entries:
     e.update(model=model, towers=n)
-    e["throughput"] = summarize(e.pop("examples_per_s"))
+    e["throughput"] = _common.summarize(e.pop("examples_per_s"), keep_values=False)
   return entries
-
-
-def run_in_subprocess(group, quick, rounds):
-  cmd = [sys.executable, os.path.abspath(__file__), "--group", group, "--rounds", str(rounds)]
-  if quick:
-    cmd.append("--quick")
-  out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-  if out.returncode != 0:
-    raise RuntimeError(f"benchmark group {group} failed:\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv):
@@ -459,11 +441,13 @@ def main(argv):
   if "steps" in parts:
     for model in (["mlp"] if args.quick else ["mlp", "cnn"]):
       for n in towers:
-        entries = run_in_subprocess(f"{model}:{n}", args.quick, rounds)
+        entries = _common.run_group(__file__, f"{model}:{n}", timeout=1200, rounds=rounds,
+                                    quick=args.quick)
         report["throughput"].extend(entries)
         print_throughput(model, n, entries)
   if "batch_reduce" in parts:
-    report["batch_reduce"] = run_in_subprocess("batch_reduce", args.quick, rounds)
+    report["batch_reduce"] = _common.run_group(__file__, "batch_reduce", timeout=1200,
+                                               rounds=rounds, quick=args.quick)
     print_batch_reduce(report["batch_reduce"])
   if "memory" in parts:
     for label, library, ops_name in MEMORY_CONTENDERS:
@@ -492,14 +476,15 @@ def print_throughput(model, n, entries):
         "vs no strategy | first call (s) | first call vs tf.distribute default | "
         "first call vs fastest tf.distribute |")
   print("|---|---|---|---|---|---|---|---|")
+  ratio = _common.format_ratio
   for e in entries:
     t = e["throughput"]
-    print(f"| {e['label']} | {t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | "
-          f"{t['median'] / default_tf['throughput']['median']:.2f}x | "
-          f"{t['median'] / best_tf['throughput']['median']:.2f}x | "
-          f"{t['median'] / none['throughput']['median']:.2f}x | {e['first_call_s']:.2f} | "
-          f"{e['first_call_s'] / first_default:.2f}x | "
-          f"{e['first_call_s'] / first_fastest:.2f}x |")
+    print(f"| {e['label']} | {_common.format_summary(t)} | "
+          f"{ratio(t['median'] / default_tf['throughput']['median'])} | "
+          f"{ratio(t['median'] / best_tf['throughput']['median'])} | "
+          f"{ratio(t['median'] / none['throughput']['median'])} | {e['first_call_s']:.2f} | "
+          f"{ratio(e['first_call_s'] / first_default)} | "
+          f"{ratio(e['first_call_s'] / first_fastest)} |")
   sys.stdout.flush()
 
 
@@ -512,11 +497,12 @@ def print_batch_reduce(entries):
           "inside tf.function, every copy returned: GB/s per tower (median, min-max)\n")
     print("| algorithm | GB/s | vs tf.distribute default | vs best tf.distribute |")
     print("|---|---|---|---|")
+    ratio = _common.format_ratio
     for e in rows:
       t = e["throughput"]
-      print(f"| {e['label']} | {t['median']:.2f} ({t['min']:.2f}-{t['max']:.2f}) | "
-            f"{t['median'] / default_tf['throughput']['median']:.2f}x | "
-            f"{t['median'] / best_tf['throughput']['median']:.2f}x |")
+      print(f"| {e['label']} | {_common.format_summary(t, '.2f')} | "
+            f"{ratio(t['median'] / default_tf['throughput']['median'])} | "
+            f"{ratio(t['median'] / best_tf['throughput']['median'])} |")
   sys.stdout.flush()
 
 
@@ -525,7 +511,8 @@ def print_memory(memory):
   print("| contender | peak RSS (MiB) | vs tf.distribute default (collective) |")
   print("|---|---|---|")
   for label, mib in memory.items():
-    print(f"| {label} | {mib:.0f} | {mib / memory['tf.distribute default']:.2f}x |")
+    print(f"| {label} | {mib:.0f} | "
+          f"{_common.format_ratio(mib / memory['tf.distribute default'])} |")
 
 
 if __name__ == "__main__":

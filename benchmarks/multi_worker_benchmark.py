@@ -436,15 +436,15 @@ def run_shape(cpus, names, rounds, seconds):
   theirs = [c for c in contenders if c.library == "tf.distribute"]
   step_peer = next((c for c in theirs if not parse_contender(c.name)[1]["eager"]), theirs[0])
   best = {"train": step_peer,
-          "reduce": max(theirs, key=lambda c: statistics.median(c.blocks["reduce"]))}
+          "reduce": max(theirs, key=lambda c: _common.summarize(c.blocks["reduce"])["median"])}
   entries = []
   for c in contenders:
     entry = {"label": c.name, "library": c.library, "devices_per_worker": cpus,
              "workers": NUM_WORKERS, "ran": c.described, "warmup_loss": c.warmup_loss,
              "steps_per_block": c.steps, "reduces_per_block": c.reduces}
     for kind, key in (("train", "throughput"), ("reduce", "gb_per_s")):
-      entry[key] = _mlp.summarize(c.blocks[kind])
-      entry[key + "_ratio"] = _mlp.summarize(
+      entry[key] = _common.summarize(c.blocks[kind])
+      entry[key + "_ratio"] = _common.summarize(
           [a / b for a, b in zip(c.blocks[kind], best[kind].blocks[kind], strict=False)])
       entry[key + "_ratio_against"] = best[kind].name
     entries.append(entry)
@@ -462,14 +462,10 @@ def print_shape(cpus, entries):
         "all-reduce GB/s | vs tf.distribute |")
   print("|---|---|---|---|---|---|")
   for e in entries:
-    t, g = e["throughput"], e["gb_per_s"]
-    tr, gr = e["throughput_ratio"], e["gb_per_s_ratio"]
-    ran = e["ran"]
+    ran, text = e["ran"], _common.format_summary
     print(f"| {e['label']} | {ran['replicas']} ({ran['replicas_per_worker']}) | "
-          f"{t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | "
-          f"{tr['median']:.2f}x ({tr['min']:.2f}-{tr['max']:.2f}) | "
-          f"{g['median']:.2f} ({g['min']:.2f}-{g['max']:.2f}) | "
-          f"{gr['median']:.2f}x ({gr['min']:.2f}-{gr['max']:.2f}) |")
+          f"{text(e['throughput'])} | {text(e['throughput_ratio'], '.2f', 'x')} | "
+          f"{text(e['gb_per_s'], '.2f')} | {text(e['gb_per_s_ratio'], '.2f', 'x')} |")
   print("\nWhat each contender ran (worker 0's towers; worker 1 has the same on task:1):\n")
   for e in entries:
     ran = e["ran"]

@@ -29,7 +29,6 @@ import glob
 import json
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -135,12 +134,15 @@ def summarize_trace(intervals, num_stages):
 
 def median_summary(summaries):
   """The median of each figure over several traced steps."""
+  def median(values):
+    return _common.summarize(values)["median"]
+
   result = {}
   for key, value in summaries[0].items():
     if isinstance(value, dict):
-      result[key] = {s: statistics.median(x[key][s] for x in summaries) for s in value}
+      result[key] = {s: median(x[key][s] for x in summaries) for s in value}
     else:
-      result[key] = statistics.median(x[key] for x in summaries)
+      result[key] = median(x[key] for x in summaries)
   return result
 
 
@@ -198,7 +200,7 @@ def time_steps(steps, x):
         start = time.perf_counter()
         step(x).numpy()
         times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) for name, t in times.items()}
+  return {name: _common.summarize(t)["median"] for name, t in times.items()}
 
 
 def peak_memory(step, x):

@@ -41,7 +41,6 @@ import os
 import re
 import select
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -275,14 +274,14 @@ CONTENDERS = ("diststrat cached", "diststrat uncached", "tf.distribute")
 
 
 def _ratios(blocks, numerator, denominator):
-  return _mlp.summarize([a["throughput"] / b["throughput"]
-                    for a, b in zip(blocks[numerator], blocks[denominator], strict=False)])
+  return _common.summarize([a["throughput"] / b["throughput"]
+                            for a, b in zip(blocks[numerator], blocks[denominator], strict=False)])
 
 
 def _median_bytes(blocks, direction):
   values = [b["ps_bytes_per_step"][direction] for b in blocks
             if b.get("ps_bytes_per_step") is not None]
-  return statistics.median(values) if values else None
+  return _common.summarize(values)["median"] if values else None
 
 
 def run(rounds, seconds, warmup, towers, eager):
@@ -322,7 +321,7 @@ def run(rounds, seconds, warmup, towers, eager):
       "diststrat": f"{towers_text}, step {'eager' if eager else 'in one tf.function'}",
       "rounds": rounds, "seconds_per_block": seconds, "warmup_steps": warmup,
       "towers": towers, "eager": eager,
-      "throughput": {name: _mlp.summarize([b["throughput"] for b in blocks[name]])
+      "throughput": {name: _common.summarize([b["throughput"] for b in blocks[name]])
                      for name in CONTENDERS},
       "vs_tf_distribute": {name: _ratios(blocks, name, "tf.distribute")
                            for name in CONTENDERS},
@@ -337,10 +336,6 @@ def run(rounds, seconds, warmup, towers, eager):
   }
 
 
-def _range(summary):
-  return f"{summary['median']:.2f}x ({summary['min']:.2f}-{summary['max']:.2f})"
-
-
 def print_report(report):
   print(f"\n### {report['model']}; diststrat: {report['diststrat']}. Examples/s, median "
         f"(min-max) over {report['rounds']} interleaved blocks of "
@@ -350,10 +345,10 @@ def print_report(report):
   for name in CONTENDERS:
     t, mb = report["throughput"][name], report["ps_mb_per_step"][name]
     io = "n/a" if mb["sent"] is None else f"{mb['sent']:.2f} / {mb['received']:.2f}"
-    print(f"| {name} | {t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | "
-          f"{_range(report['vs_tf_distribute'][name])} | {io} |")
+    print(f"| {name} | {_common.format_summary(t)} | "
+          f"{_common.format_summary(report['vs_tf_distribute'][name], '.2f', 'x')} | {io} |")
   ratio = report["cached_vs_uncached"]
-  print(f"\ndiststrat cached / uncached: {_range(ratio)}; per round: "
+  print(f"\ndiststrat cached / uncached: {_common.format_summary(ratio, '.2f', 'x')}; per round: "
         + ", ".join(f"{v:.2f}" for v in ratio["values"]))
 
 

@@ -22,11 +22,8 @@ Usage:
 import json
 import os
 import random
-import signal
-import statistics
 import sys
 import tempfile
-import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -34,8 +31,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+# The fault helpers of tests/test_ps_faults.py (tests/fault_control.py says why they live
+# there); the worker process, which gets this sys.path, imports them too.
+sys.path.insert(0, os.path.join(_common.REPO, "tests"))
 from diststrat.cluster import LocalCluster  # pylint: disable=g-import-not-at-top
+import fault_control  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 flags.DEFINE_integer("repeats", 3, "Faults per (fault, path).", lower_bound=1)
 flags.DEFINE_integer("kills", 20, "PS kills during checkpoint saves.", lower_bound=0)
@@ -48,100 +50,18 @@ PATHS = ("run_step", "numpy", "read_var", "assign_add", "update", "CheckpointMan
 EXTRA_WAIT = 30.0
 
 
-def _write(path, text=""):
-  with open(path + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
-
-
-def _wait_for_file(path, timeout=120.0):
-  deadline = time.monotonic() + timeout
-  while not os.path.exists(path):
-    if time.monotonic() > deadline:
-      raise TimeoutError(path)
-    time.sleep(0.02)
-  with open(path) as f:
-    return f.read()
-
-
-class Control:
-  """In the worker: asks the parent for a fault (freeze, thaw, kill, restart,
-  kill_after <s>) and waits until it is done."""
-
-  def __init__(self, sync_dir):
-    self.dir, self.count = sync_dir, 0
-
-  def __call__(self, action):
-    self.count += 1
-    _write(os.path.join(self.dir, f"request_{self.count}"), action)
-    _wait_for_file(os.path.join(self.dir, f"done_{self.count}"))
-
-
-def serve(cluster, sync_dir, stop):
-  """In the parent: does what the worker's Control asks."""
-  count = 0
-  while not stop.is_set():
-    count += 1
-    path = os.path.join(sync_dir, f"request_{count}")
-    while not os.path.exists(path):
-      if stop.wait(0.02):
-        return
-    with open(path) as f:
-      action = f.read().split()
-    done = os.path.join(sync_dir, f"done_{count}")
-    if action[0] == "kill_after":
-      _write(done)
-      time.sleep(float(action[1]))
-      cluster.kill("ps", 0)
-      continue
-    if action[0] == "freeze":
-      cluster.kill("ps", 0, signal.SIGSTOP)
-    elif action[0] == "thaw":
-      cluster.kill("ps", 0, signal.SIGCONT)
-    elif action[0] == "kill":
-      cluster.kill("ps", 0)
-    elif action[0] == "restart":
-      cluster.restart("ps", 0)
-    _write(done)
-
-
 def bounded(fn, timeout):
-  """(kind, error type, task, seconds): fn() in a thread, waited for at most `timeout`."""
-  outcome = {}
-
-  def target():
-    try:
-      fn()
-      outcome["kind"] = "returned"
-    except Exception as e:  # pylint: disable=broad-except
-      outcome.update(kind="raised", error=e)
-
-  start = time.monotonic()
-  thread = threading.Thread(target=target, daemon=True)
-  thread.start()
-  thread.join(timeout)
-  elapsed = time.monotonic() - start
-  error = outcome.get("error")
-  return (outcome.get("kind", "blocked"), type(error).__name__ if error else None,
-          getattr(error, "task", None), elapsed)
-
-
-def reconnect(strategy, timeout=60.0):
-  from diststrat.errors import ClusterError  # pylint: disable=g-import-not-at-top
-  deadline = time.monotonic() + timeout
-  while True:
-    try:
-      return strategy.reconnect()
-    except ClusterError:
-      if time.monotonic() > deadline:
-        raise
-      time.sleep(0.5)
+  """{"kind", "error", "task", "seconds"}: fn() in a thread, waited for at most `timeout`
+  (fault_control.bounded); "error" is the type's name of what it raised."""
+  outcome = fault_control.describe(*fault_control.bounded(fn, timeout))
+  return {"kind": outcome["kind"], "error": outcome["type"], "task": outcome["task"],
+          "seconds": outcome["elapsed"]}
 
 
 def worker(strategy, sync_dir, ckpt_dir, repeats, kills, seed):
   """Runs in the worker process: every (fault, path) `repeats` times, then the kills."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  control = Control(sync_dir)
+  control = fault_control.Control(sync_dir, timeout=120.0)
   with strategy.scope():
     v = tf.Variable(tf.zeros([256, 256]), name="v")
     weights = [tf.Variable(tf.random.stateless_normal([256, 256], seed=[i, 0]),
@@ -170,11 +90,9 @@ def worker(strategy, sync_dir, ckpt_dir, repeats, kills, seed):
       for _ in range(repeats):
         paths[name]()
         control(fault)
-        kind, error, task, seconds = bounded(paths[name], limit)
-        records.append({"fault": fault, "path": name, "kind": kind, "error": error,
-                        "task": task, "seconds": seconds})
+        records.append({"fault": fault, "path": name, **bounded(paths[name], limit)})
         control("restart" if fault == "kill" else "thaw")
-        reconnect(strategy)
+        fault_control.reconnect(strategy)
         if fault == "kill":
           manager.restore_or_initialize()
   # Kills during back-to-back saves.
@@ -193,17 +111,16 @@ def worker(strategy, sync_dir, ckpt_dir, repeats, kills, seed):
     record = {"delay": delay, "saved_before_failure": 0, "kind": "none failed"}
     while time.monotonic() < deadline:
       before = manager.latest_checkpoint
-      kind, error, task, seconds = bounded(manager.save, limit)
-      if kind == "returned":
+      outcome = bounded(manager.save, limit)
+      if outcome["kind"] == "returned":
         record["saved_before_failure"] += 1
         continue
-      record.update(kind=kind, error=error, task=task, seconds=seconds,
-                    registered=manager.latest_checkpoint != before or
+      record.update(outcome, registered=manager.latest_checkpoint != before or
                     tf.train.latest_checkpoint(os.path.join(ckpt_dir, "kills")) != before)
       break
     saves.append(record)
     control("restart")
-    reconnect(strategy)
+    fault_control.reconnect(strategy)
     manager.restore_or_initialize()
   return {"records": records, "saves": saves, "save_seconds": save_seconds}
 
@@ -214,16 +131,13 @@ def main(argv):
   started = time.time()
   with LocalCluster(1, 1, strategy_kwargs={"step_timeout": FLAGS.step_timeout},
                     start_timeout=120, result_timeout=7200) as cluster:
-    stop = threading.Event()
-    server = threading.Thread(target=serve, args=(cluster, sync_dir, stop), daemon=True)
-    server.start()
+    join = fault_control.serve_faults(cluster, sync_dir)
     try:
       [result] = cluster.run_on_workers(worker, sync_dir=sync_dir, ckpt_dir=ckpt_dir,
                                         repeats=FLAGS.repeats, kills=FLAGS.kills,
                                         seed=FLAGS.seed)
     finally:
-      stop.set()
-      server.join(30)
+      join()
   print(f"step_timeout {FLAGS.step_timeout:g} s; {FLAGS.repeats} fault(s) per path; "
         f"every call waited for at most step_timeout + {EXTRA_WAIT:g} s")
   print(f"{'fault':8} {'path':24} {'outcomes':40} seconds to raise: median (min-max)")
@@ -236,8 +150,7 @@ def main(argv):
         kinds[key] = kinds.get(key, 0) + 1
       times = [r["seconds"] for r in rows if r["kind"] == "raised"]
       summary = ", ".join(f"{n}x {k}" for k, n in kinds.items())
-      timing = (f"{statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f})"
-                if times else "-")
+      timing = _common.format_summary(_common.summarize(times), ".2f") if times else "-"
       print(f"{fault:8} {name:24} {summary:40} {timing}")
   saves = result["saves"]
   if saves:

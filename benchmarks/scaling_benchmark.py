@@ -34,7 +34,6 @@ Usage:
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -200,19 +199,10 @@ def run_group(n, rounds, steps, first_calls):
       e["step_ms"].append((time.perf_counter() - start) / steps * 1000)
   for e in entries:
     del e["step"], e["args"]
-    e["step_ms"] = _mlp.summarize(e["step_ms"])
-    e["first_call_s"] = _mlp.summarize(e["first_call_s"])
+    e["step_ms"] = _common.summarize(e["step_ms"])
+    e["first_call_s"] = _common.summarize(e["first_call_s"])
     e["devices"] = n
   return entries
-
-
-def run_in_subprocess(n, rounds, steps, first_calls):
-  cmd = [sys.executable, os.path.abspath(__file__), "--group", str(n), "--rounds", str(rounds),
-         "--steps", str(steps), "--first_calls", str(first_calls)]
-  out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
-  if out.returncode != 0:
-    raise RuntimeError(f"benchmark group {n} failed:\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def print_table(entries):
@@ -229,10 +219,10 @@ def print_table(entries):
       e["step_vs_tf_default"] = t["median"] / ref["step_ms"]["median"]
       f = e["first_call_s"]
       e["first_call_vs_tf_default"] = f["median"] / ref["first_call_s"]["median"]
-      print(f"| {n} | {e['label']} | {e['reduction']} | {t['median']:.1f} "
-            f"({t['min']:.1f}-{t['max']:.1f}) | {e['step_vs_tf_default']:.2f}x | "
-            f"{f['median']:.2f} ({f['min']:.2f}-{f['max']:.2f}) | "
-            f"{e['first_call_vs_tf_default']:.2f}x |")
+      print(f"| {n} | {e['label']} | {e['reduction']} | {_common.format_summary(t, '.1f')} | "
+            f"{_common.format_ratio(e['step_vs_tf_default'])} | "
+            f"{_common.format_summary(f, '.2f')} | "
+            f"{_common.format_ratio(e['first_call_vs_tf_default'])} |")
   sys.stdout.flush()
 
 
@@ -249,7 +239,8 @@ def main(argv):
             "first_calls": first_calls, "command": " ".join(sys.argv), "results": []}
   for n in [int(n) for n in FLAGS.devices]:
     start = time.perf_counter()
-    report["results"].extend(run_in_subprocess(n, rounds, steps, first_calls))
+    report["results"].extend(_common.run_group(__file__, n, timeout=1800, rounds=rounds,
+                                               steps=steps, first_calls=first_calls))
     print(f"{n} device(s): {time.perf_counter() - start:.0f} s", flush=True)
   print_table(report["results"])
   _common.write_report(report, FLAGS.out)

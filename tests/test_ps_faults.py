@@ -2,10 +2,11 @@
 
 Real processes on loopback, as in tests/test_cluster.py: a `LocalCluster` PS task is
 frozen (SIGSTOP), killed or restarted by this process while a worker process runs one of
-the functions below. The worker asks for each fault through files (`_Control`), so that
+the functions below. The worker asks for each fault through files (`Control`), so that
 it knows exactly when it happened. Every call a worker makes on a faulty PS runs in a
-thread it waits for with a bound (`_bounded`): a call that blocks is reported as
-"blocked" instead of hanging the test.
+thread it waits for with a bound (`bounded`): a call that blocks is reported as
+"blocked" instead of hanging the test. These helpers are tests/fault_control.py's, which
+benchmarks/ps_faults.py shares.
 
 - A frozen PS: eager reads (`numpy()`, `read_value()`, `np.asarray`), `read_var` and
   checkpoint saves raise `ClusterError` naming the task within `step_timeout`.
@@ -19,8 +20,6 @@ thread it waits for with a bound (`_bounded`): a call that blocks is reported as
 
 import os
 import random
-import signal
-import threading
 import time
 
 import numpy as np
@@ -28,114 +27,12 @@ import pytest
 import tensorflow as tf
 
 from diststrat.cluster import LocalCluster
-from diststrat.errors import ClusterError
-import sync_files
+from fault_control import Control, bounded, describe, reconnect, serve_faults
 
 pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("no_child_left")]  # (conftest.py)
 PS0 = "/job:ps/replica:0/task:0"
 STEP_TIMEOUT = 1.5  # Small: every frozen-PS check waits for it once.
 MARGIN = 10.0  # Seconds a bounded call may take beyond its bound on a loaded machine.
-
-
-class _Control:
-  """In a worker: asks the test process for a fault and waits until it happened."""
-
-  def __init__(self, sync_dir):
-    self._dir = sync_dir
-    self._count = 0
-
-  def __call__(self, action):
-    self._count += 1
-    sync_files.write(os.path.join(self._dir, f"request_{self._count}"), action)
-    sync_files.wait_for_file(os.path.join(self._dir, f"done_{self._count}"), timeout=90)
-
-
-def _serve_faults(cluster, sync_dir):
-  """In the test process: does what the worker's `_Control` asks, until "end" or the
-  worker's result; returns a join() that re-raises what went wrong."""
-  failures, stop = [], threading.Event()
-
-  def serve():
-    count = 0
-    try:
-      while not stop.is_set():
-        count += 1
-        path = os.path.join(sync_dir, f"request_{count}")
-        while not os.path.exists(path):
-          if stop.wait(0.02):
-            return
-        with open(path) as f:
-          action = f.read().split()
-        done = os.path.join(sync_dir, f"done_{count}")
-        if action[0] == "freeze":
-          cluster.kill("ps", 0, signal.SIGSTOP)
-        elif action[0] == "thaw":
-          cluster.kill("ps", 0, signal.SIGCONT)
-        elif action[0] == "kill":
-          cluster.kill("ps", 0)
-        elif action[0] == "restart":
-          cluster.restart("ps", 0)
-        elif action[0] == "kill_after":  # Answers at once, kills after the delay.
-          sync_files.write(done)
-          time.sleep(float(action[1]))
-          cluster.kill("ps", 0)
-          continue
-        sync_files.write(done)
-    except BaseException as e:  # pylint: disable=broad-except
-      failures.append(e)
-
-  thread = threading.Thread(target=serve, daemon=True)
-  thread.start()
-
-  def join():
-    stop.set()
-    thread.join(30)
-    if failures:
-      raise failures[0]
-
-  return join
-
-
-def _bounded(fn, timeout):
-  """("returned", result) | ("raised", error) | ("blocked", None): `fn()` in a thread,
-  waited for at most `timeout` s; plus the seconds it took."""
-  outcome = {}
-
-  def target():
-    try:
-      outcome["returned"] = fn()
-    except BaseException as e:  # pylint: disable=broad-except
-      outcome["raised"] = e
-
-  start = time.monotonic()
-  thread = threading.Thread(target=target, daemon=True)
-  thread.start()
-  thread.join(timeout)
-  elapsed = time.monotonic() - start
-  for kind in ("returned", "raised"):
-    if kind in outcome:
-      return kind, outcome[kind], elapsed
-  return "blocked", None, elapsed
-
-
-def _describe(kind, value, elapsed):
-  """A picklable summary of a `_bounded` outcome."""
-  if kind == "raised":
-    return {"kind": kind, "type": type(value).__name__, "task": getattr(value, "task", None),
-            "message": str(value)[:400], "elapsed": elapsed}
-  return {"kind": kind, "type": None, "task": None, "message": "", "elapsed": elapsed}
-
-
-def _reconnect(strategy, timeout=60.0):
-  """`strategy.reconnect()`, again while gRPC backs off from the failed connections."""
-  deadline = time.monotonic() + timeout
-  while True:
-    try:
-      return strategy.reconnect()
-    except ClusterError:
-      if time.monotonic() > deadline:
-        raise
-      time.sleep(0.5)
 
 
 def _cluster():
@@ -147,7 +44,7 @@ def _cluster():
 
 
 def _frozen_reads_fn(strategy, sync_dir, ckpt_dir):
-  control = _Control(sync_dir)
+  control = Control(sync_dir)
   with strategy.scope():
     v = tf.Variable([1.0, 2.0], name="v")
   checkpoint = tf.train.Checkpoint(v=v)
@@ -165,12 +62,12 @@ def _frozen_reads_fn(strategy, sync_dir, ckpt_dir):
     path()  # Works, and everything it uses is traced, before the freeze.
     latest = manager.latest_checkpoint
     control("freeze")
-    outcome = _describe(*_bounded(path, STEP_TIMEOUT + MARGIN))
+    outcome = describe(*bounded(path, STEP_TIMEOUT + MARGIN))
     outcome["latest_unchanged"] = (manager.latest_checkpoint == latest and
                                    tf.train.latest_checkpoint(ckpt_dir) == latest)
     outcomes[name] = outcome
     control("thaw")
-    _reconnect(strategy)
+    reconnect(strategy)
     outcomes[name]["after_thaw"] = v.numpy().tolist()
   return outcomes
 
@@ -180,7 +77,7 @@ def test_frozen_ps_makes_eager_reads_and_saves_raise_within_step_timeout(tmp_pat
   sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
   sync_dir.mkdir()
   with _cluster() as cluster:
-    join = _serve_faults(cluster, str(sync_dir))
+    join = serve_faults(cluster, str(sync_dir))
     try:
       [outcomes] = cluster.run_on_workers(_frozen_reads_fn, sync_dir=str(sync_dir),
                                           ckpt_dir=str(ckpt_dir))
@@ -214,7 +111,7 @@ def _writes(strategy, v):
 
 
 def _frozen_writes_fn(strategy, sync_dir):
-  control = _Control(sync_dir)
+  control = Control(sync_dir)
   with strategy.scope():
     v = tf.Variable([1.0, 2.0, 3.0], name="v")
   outcomes = {}
@@ -222,16 +119,16 @@ def _frozen_writes_fn(strategy, sync_dir):
     write()  # Traced and known to the PS task before it freezes.
     v.numpy()
     control("freeze")
-    outcomes[name] = _describe(*_bounded(write, STEP_TIMEOUT + MARGIN))
+    outcomes[name] = describe(*bounded(write, STEP_TIMEOUT + MARGIN))
     control("thaw")
-    _reconnect(strategy)
+    reconnect(strategy)
   return outcomes
 
 
 @pytest.mark.timeout(300)
 def test_writes_to_a_frozen_ps_raise_within_step_timeout(tmp_path):
   with _cluster() as cluster:
-    join = _serve_faults(cluster, str(tmp_path))
+    join = serve_faults(cluster, str(tmp_path))
     try:
       [outcomes] = cluster.run_on_workers(_frozen_writes_fn, sync_dir=str(tmp_path))
     finally:
@@ -248,7 +145,7 @@ def test_writes_to_a_frozen_ps_raise_within_step_timeout(tmp_path):
 
 
 def _killed_writes_fn(strategy, sync_dir):
-  control = _Control(sync_dir)
+  control = Control(sync_dir)
   with strategy.scope():
     v = tf.Variable([1.0, 2.0, 3.0], name="v")
   outcomes = {}
@@ -264,10 +161,10 @@ def _killed_writes_fn(strategy, sync_dir):
         write()
         calls.append(1)
 
-    outcomes[name] = _describe(*_bounded(three_writes, STEP_TIMEOUT + MARGIN))
+    outcomes[name] = describe(*bounded(three_writes, STEP_TIMEOUT + MARGIN))
     outcomes[name]["returned_before_raising"] = len(calls)
     control("restart")
-    _reconnect(strategy)
+    reconnect(strategy)
     v.assign([1.0, 2.0, 3.0])  # The restarted task lost v.
   return outcomes
 
@@ -275,7 +172,7 @@ def _killed_writes_fn(strategy, sync_dir):
 @pytest.mark.timeout(300)
 def test_writes_to_a_killed_ps_raise_from_the_call(tmp_path):
   with _cluster() as cluster:
-    join = _serve_faults(cluster, str(tmp_path))
+    join = serve_faults(cluster, str(tmp_path))
     try:
       [outcomes] = cluster.run_on_workers(_killed_writes_fn, sync_dir=str(tmp_path))
     finally:
@@ -298,7 +195,7 @@ SAVES_KILLED = 12
 
 
 def _saves_killed_fn(strategy, sync_dir, ckpt_dir, seed):
-  control = _Control(sync_dir)
+  control = Control(sync_dir)
   with strategy.scope():
     weights = {f"w{i}": tf.Variable(tf.random.stateless_normal([256, 256], seed=[i, 0]),
                                     name=f"w{i}") for i in range(16)}  # 4 MB in all
@@ -318,10 +215,10 @@ def _saves_killed_fn(strategy, sync_dir, ckpt_dir, seed):
     outcome = None
     while time.monotonic() < deadline:  # Saves until one fails.
       before = manager.latest_checkpoint
-      kind, value, elapsed = _bounded(manager.save, STEP_TIMEOUT + MARGIN)
+      kind, value, elapsed = bounded(manager.save, STEP_TIMEOUT + MARGIN)
       if kind == "returned":
         continue
-      outcome = _describe(kind, value, elapsed)
+      outcome = describe(kind, value, elapsed)
       outcome["latest_before"] = before
       outcome["latest_after"] = manager.latest_checkpoint
       outcome["latest_in_state_file"] = tf.train.latest_checkpoint(ckpt_dir)
@@ -329,7 +226,7 @@ def _saves_killed_fn(strategy, sync_dir, ckpt_dir, seed):
       break
     outcomes.append(outcome)
     control("restart")
-    _reconnect(strategy)
+    reconnect(strategy)
     manager.restore_or_initialize()
   return {"outcomes": outcomes, "save_seconds": save_seconds}
 
@@ -340,7 +237,7 @@ def test_ps_killed_during_saves_raises_cluster_error_and_the_save_is_not_the_lat
   sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
   sync_dir.mkdir()
   with _cluster() as cluster:
-    join = _serve_faults(cluster, str(sync_dir))
+    join = serve_faults(cluster, str(sync_dir))
     try:
       [result] = cluster.run_on_workers(_saves_killed_fn, sync_dir=str(sync_dir),
                                         ckpt_dir=str(ckpt_dir), seed=18)
@@ -358,7 +255,7 @@ def test_ps_killed_during_saves_raises_cluster_error_and_the_save_is_not_the_lat
 
 
 def _killed_before_the_final_wait_fn(strategy, sync_dir, ckpt_dir):
-  control = _Control(sync_dir)
+  control = Control(sync_dir)
   with strategy.scope():
     v = tf.Variable([1.0, 2.0], name="v")
   manager = tf.train.CheckpointManager(tf.train.Checkpoint(v=v), ckpt_dir, max_to_keep=5)
@@ -368,14 +265,14 @@ def _killed_before_the_final_wait_fn(strategy, sync_dir, ckpt_dir):
   # PS dies at that moment.
   options = tf.train.CheckpointOptions(experimental_write_callbacks=[
       lambda: control("kill")])
-  kind, value, elapsed = _bounded(lambda: manager.save(options=options),
+  kind, value, elapsed = bounded(lambda: manager.save(options=options),
                                   STEP_TIMEOUT + MARGIN)
-  killed_save = _describe(kind, value, elapsed)
+  killed_save = describe(kind, value, elapsed)
   killed_save["returned"] = value if kind == "returned" else None
   killed_save["latest"] = manager.latest_checkpoint
   killed_save["latest_in_state_file"] = tf.train.latest_checkpoint(ckpt_dir)
   latest = manager.latest_checkpoint
-  next_save = _describe(*_bounded(manager.save, STEP_TIMEOUT + MARGIN))
+  next_save = describe(*bounded(manager.save, STEP_TIMEOUT + MARGIN))
   next_save["latest_unchanged"] = (manager.latest_checkpoint == latest and
                                    tf.train.latest_checkpoint(ckpt_dir) == latest)
   return {"first": first, "killed_save": killed_save, "next_save": next_save}
@@ -387,7 +284,7 @@ def test_ps_killed_after_a_save_wrote_its_files_never_leaves_a_raised_save_regis
   sync_dir, ckpt_dir = tmp_path / "sync", tmp_path / "ckpt"
   sync_dir.mkdir()
   with _cluster() as cluster:
-    join = _serve_faults(cluster, str(sync_dir))
+    join = serve_faults(cluster, str(sync_dir))
     try:
       [r] = cluster.run_on_workers(_killed_before_the_final_wait_fn,
                                    sync_dir=str(sync_dir), ckpt_dir=str(ckpt_dir))
