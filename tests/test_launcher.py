@@ -409,12 +409,15 @@ def _run_tasks(script, environs, cwd, timeout=JOB_TIMEOUT):
 @pytest.mark.processes
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 def test_a_slurm_step_runs_parameter_server_strategy_and_serve(tmp_path):
-  """Three processes with Slurm's variables: rank 0 serves, ranks 1 and 2 count."""
+  """Three processes with Slurm's variables: rank 0 serves, ranks 1 and 2 count, and
+  every task ends with status 0: the PS once its workers have ended (it used to serve
+  forever, so the Slurm step never ended)."""
   script = _write(tmp_path, "slurm_ps.py", textwrap.dedent("""
       import diststrat as ds
       config = ds.cluster.cluster_from_environment()
       if config.task_type == "ps":
-        ds.cluster.serve()
+        ds.cluster.serve(workers_gone_for=2)
+        raise AssertionError("serve() returned")
       """) + textwrap.dedent(_COUNT_PS))
   base = _free_port_base(3)
   common = {"SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_TASKS_PER_NODE": "3",
@@ -431,7 +434,9 @@ def test_a_slurm_step_runs_parameter_server_strategy_and_serve(tmp_path):
     ps, workers = processes[0], processes[1:]
     outputs = [w.communicate(timeout=JOB_TIMEOUT)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
-    assert ps.poll() is None  # serve() never returns.
+    ps_output = ps.communicate(timeout=30)[0]  # 2 s after the last worker, and a margin.
+    assert ps.returncode == 0, ps_output
+    assert "every worker of its job has ended" in ps_output, ps_output
   finally:
     for process in processes:
       if process.poll() is None:
@@ -440,6 +445,67 @@ def test_a_slurm_step_runs_parameter_server_strategy_and_serve(tmp_path):
     _assert_none_left(marker)
   counts = sorted((tmp_path / f"count{i}.txt").read_text() for i in range(2))
   assert counts == ["40 worker 0 1", "40 worker 1 1"]
+
+
+# Two machines on one: this network namespace is host A (10.77.0.1), a second one,
+# linked to it by a veth pair, host B (10.77.0.2). Each runs its launcher; their exit
+# statuses are printed last. Needs unprivileged user namespaces and iproute2.
+_TWO_HOSTS = """
+set -eu
+ip link set lo up
+unshare -n sleep 600 &
+holder=$!
+trap 'kill $holder 2>/dev/null || true' EXIT
+for _ in $(seq 50); do [ "$(readlink /proc/$holder/ns/net)" != "$(readlink /proc/self/ns/net)" ] && break; sleep 0.1; done
+ip link add va type veth peer name vb netns $holder
+ip addr add 10.77.0.1/24 dev va
+ip link set va up
+nsenter -t $holder -n sh -c 'ip link set lo up; ip addr add 10.77.0.2/24 dev vb; ip link set vb up'
+run() {{ {python} -m diststrat.run --ps 1 --workers 1 --hosts 10.77.0.1,10.77.0.2 \\
+          --port-base 23456 --task-index $1 --job-timeout {timeout} {script} 10 2 {out}; }}
+run 0 > {out}/host0.log 2>&1 &
+a=$!
+nsenter -t $holder -n sh -c "$(declare -f run); run 1" > {out}/host1.log 2>&1 &
+b=$!
+sa=0; wait $a || sa=$?
+sb=0; wait $b || sb=$?
+echo "statuses $sa $sb"
+"""
+
+
+def _namespaces_work():
+  try:
+    return subprocess.run(["unshare", "-Urn", "ip", "link", "add", "va", "type", "veth",
+                           "peer", "name", "vb"], capture_output=True,
+                          timeout=10).returncode == 0
+  except (OSError, subprocess.TimeoutExpired):
+    return False
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_a_parameter_server_job_across_two_hosts_ends_with_status_0_on_both(tmp_path):
+  """Host A's worker ends first; host A's launcher must not stop its PS while host B's
+  worker still uses it (it did: B's worker failed with "Connection refused"). Each PS
+  ends by itself once every worker of the job has ended (serve()), and both launchers
+  exit with 0."""
+  if not _namespaces_work():
+    pytest.skip("needs unprivileged user and network namespaces and iproute2 (ip)")
+  script = _write(tmp_path, "count.py", _COUNT_PS.replace(
+      "with open(", "if strategy.task_id == 1:\n  time.sleep(3)  # B ends after A.\n"
+      "with open(", 1))
+  shell = _write(tmp_path, "two_hosts.sh", _TWO_HOSTS.format(
+      python=sys.executable, script=script, out=tmp_path, timeout=JOB_TIMEOUT))
+  marker = uuid.uuid4().hex
+  done = subprocess.run(["unshare", "-Urn", "bash", str(shell)], env=_env(marker),
+                        cwd=tmp_path, capture_output=True, text=True,
+                        timeout=JOB_TIMEOUT + 30)
+  logs = "\n".join((tmp_path / f"host{i}.log").read_text() for i in (0, 1))
+  assert "statuses 0 0" in done.stdout, (done.stdout, done.stderr, logs)
+  assert "serve the job's other workers" in logs, logs  # A's launcher waited for B.
+  counts = sorted((tmp_path / f"count{i}.txt").read_text() for i in range(2))
+  assert counts == ["20 worker 0 2", "20 worker 1 2"]
+  _assert_none_left(marker)
 
 
 @pytest.mark.processes

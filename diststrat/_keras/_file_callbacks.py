@@ -15,8 +15,12 @@ ends, and the callback's path is given back. User code does not branch on the ta
 dataset (before it builds its callback list): the callbacks are found in `fit`'s
 arguments (`_tf_internal.keras_fit_callbacks`).
 
-`BackupAndRestore` reads the chief's backup at the start of `fit` (every worker must
-restore the same state) and writes to the scratch directory after that.
+Under `MultiWorkerMirroredStrategy`, `BackupAndRestore` reads the chief's backup at the
+start of `fit` (every worker must restore the same state; the workers are in step, so
+the chief writes nothing meanwhile) and writes to the scratch directory after that. Under
+`ParameterServerStrategy` the workers are not in step and share their variables: the
+chief restores them for all, and the other workers' backups are in scratch from the
+start (a restarted worker other than the chief runs its epochs again).
 
 To do this, diststrat replaces instance attributes of each such callback (only in a
 worker other than the chief; Keras's classes are not changed), and gives every one back
@@ -86,6 +90,13 @@ def _redirect(callback, attribute, strategy):
     name = os.path.basename(os.path.normpath(str(user_path))) or "output"
     setattr(callback, attribute, os.path.join(scratch, name))
     restore.append(lambda: setattr(callback, attribute, user_path))
+  elif strategy._num_processes() == 1:
+    # BackupAndRestore of a ParameterServerStrategy worker: the workers train apart, on
+    # variables the PS tasks share, so the chief's restore is everyone's; this worker
+    # neither reads the chief's backup (the chief may be writing it: HDF5 refuses the
+    # lock, or reads a half-written file) nor writes it.
+    state = _tf_internal.set_keras_backup_dir(callback, os.path.join(scratch, "backup"))
+    restore.append(lambda: _tf_internal.restore_keras_backup_dir(callback, state))
   else:  # BackupAndRestore: restore from the chief's backup, then write to scratch.
     on_train_begin = callback.on_train_begin
 

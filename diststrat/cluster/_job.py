@@ -357,14 +357,21 @@ class _Job:
     return None
 
   def wait(self) -> Optional[_Failure]:
-    """Waits for the workers; returns None if all succeeded, else the first failure."""
+    """Waits for the workers; returns None if all succeeded, else the first failure.
+
+    In a job across hosts, this host's PS tasks serve the other hosts' workers too: once
+    this host's workers succeeded, it waits for its PS tasks to end by themselves
+    (`serve()` ends when every worker of the job has ended), not stopping them."""
     heartbeat = self._plan.heartbeat_timeout
+    said = False
     while True:
       workers_done = True
       now = time.monotonic()
       for task in self.tasks:
         code = task.poll()
         if task.task_type == "ps":
+          if code == 0 and self._plan.across_hosts:
+            continue  # It saw every worker of the job end.
           if code is not None:
             how = _processes.describe_exit(code)
             return _Failure(task, _processes.exit_status(code) or 1,
@@ -381,7 +388,15 @@ class _Job:
           return _Failure(task, _processes.exit_status(code),
                           f"Task {task.name} {how} (its output is above).", how)
       if workers_done:
-        return None
+        serving = [t for t in self.tasks if t.task_type == "ps" and t.poll() is None]
+        if not (self._plan.across_hosts and serving):
+          return None
+        if not said:
+          said = True
+          say(f"this host's workers are done; its parameter server(s) "
+              f"{', '.join(t.name for t in serving)} serve the job's other workers and "
+              "end when every worker of the job has ended (diststrat.cluster.serve(): "
+              f"{_task.WORKERS_GONE_FOR:g} s after the last one stops answering).")
       if self._deadline is not None and now >= self._deadline:
         return _job_timeout(self._plan)
       time.sleep(_POLL)

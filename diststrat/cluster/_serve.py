@@ -8,15 +8,20 @@ calls `diststrat.cluster.serve()` in its PS tasks (see docs/launch.md).
 
 import os
 import socket
+import sys
 import time
 
 from diststrat._tf import tf
+from diststrat import _arguments
 from diststrat._cluster_runtime import _cluster_spec
 from diststrat._cluster_runtime import _exposure
 from diststrat.cluster._task import READY_FD_ENV
+from diststrat.cluster._task import WORKERS_GONE_FOR
 
 _WARM_UP_JOB = "diststrat_warm_up"
 _SLEEP = 3600.0
+_WATCH_EVERY = 0.25  # Seconds between two looks at the workers' addresses.
+_CONNECT_TIMEOUT = 1.0  # A worker address that neither accepts nor refuses is not gone.
 
 
 def task_name(task_type: str, task_id: int) -> str:
@@ -62,14 +67,55 @@ def start_server(cluster_spec: dict, task_type: str, task_id: int,
   return server
 
 
+def _worker_answers(address: str) -> bool:
+  """False once `address` refuses connections (nothing listens: the worker ended); True
+  when it accepts them, and when it cannot tell (no answer within a second, a host that
+  does not resolve): a worker is not taken for gone on a doubt."""
+  host, port = address.rsplit(":", 1)
+  try:
+    with socket.create_connection((host.strip("[]"), int(port)), _CONNECT_TIMEOUT):
+      return True
+  except ConnectionRefusedError:
+    return False
+  except OSError:
+    return True
+
+
+def wait_until_workers_done(workers: list, gone_for: float) -> None:
+  """Returns once the job's workers have ended: after one of them has answered at its
+  address (a `ParameterServerStrategy` worker serves there while it runs), none has
+  answered for `gone_for` seconds in a row."""
+  started = False
+  silent_since = None
+  while True:
+    if any(_worker_answers(address) for address in workers):
+      started, silent_since = True, None
+    elif started:
+      silent_since = silent_since or time.monotonic()
+      if time.monotonic() - silent_since >= gone_for:
+        return
+    time.sleep(_WATCH_EVERY)
+
+
 def serve(cluster_spec: dict | None = None, task_type: str | None = None,
-          task_id: int | None = None) -> None:
-  """Runs this process's task of a cluster as a TensorFlow server, and never returns.
+          task_id: int | None = None, *,
+          workers_gone_for: float | None = WORKERS_GONE_FOR) -> None:
+  """Runs this process's task of a cluster as a TensorFlow server; never returns.
 
   The task is the one given, else the one `TF_CONFIG` names, else the one of a Slurm
   step (`cluster_from_slurm`). A parameter server first makes itself the first client
   of its own server (a TensorFlow 2.21 start-up crash is avoided that way), then serves
-  the workers until the process is stopped (a signal, or Ctrl-C).
+  the workers until the job ends, and then ends the process with status 0
+  (`SystemExit(0)`), so a Slurm step or a job across hosts ends on every task.
+
+  How a parameter server learns that the job ended: a `ParameterServerStrategy` worker
+  listens at its address in the cluster spec while it runs. The PS looks at the
+  workers' addresses four times a second; once one worker has answered, the job is
+  over when none has answered for `workers_gone_for` seconds in a row (every worker
+  refusing connections: their processes ended). An address that neither accepts nor
+  refuses (a frozen host) counts as a worker still running. With `workers_gone_for`
+  None, or for a task that is not a PS, it serves until the process is stopped (a
+  signal, or Ctrl-C).
 
   Security: the server listens on every interface and runs any graph any client sends,
   without authentication (docs/security.md); this logs a warning saying so.
@@ -82,9 +128,11 @@ def serve(cluster_spec: dict | None = None, task_type: str | None = None,
       strategy = diststrat.ParameterServerStrategy()
 
   Raises:
-    ValueError: no task is given and the environment names none, or the task is not in
-      the cluster spec.
+    ValueError: no task is given and the environment names none, the task is not in
+      the cluster spec, or `workers_gone_for` is not a positive number of seconds.
   """
+  if workers_gone_for is not None:
+    workers_gone_for = _arguments.seconds("workers_gone_for", workers_gone_for)
   config = _cluster_spec.resolve_cluster(cluster_spec, task_type, task_id, role="server")
   if config is None:
     raise ValueError(
@@ -98,5 +146,13 @@ def serve(cluster_spec: dict | None = None, task_type: str | None = None,
   if ready_fd:
     os.write(int(ready_fd), f"ready {os.getpid()}\n".encode())
     os.close(int(ready_fd))
+  workers = cluster_spec.get("worker", [])
+  if task_type == _cluster_spec.PS_JOB and workers and workers_gone_for is not None:
+    wait_until_workers_done(workers, workers_gone_for)
+    sys.stdout.flush()
+    print(f"diststrat: parameter server {task_name(task_type, task_id)} stops: every "
+          f"worker of its job has ended (none has answered at its address for "
+          f"{workers_gone_for:g} s).", file=sys.stderr, flush=True)
+    raise SystemExit(0)  # The server object lives until the process ends.
   while server is not None:  # The server stops when its object is deleted: keep it.
     time.sleep(_SLEEP)

@@ -15,6 +15,10 @@ with the launcher; then
 READY_FD_ENV = "DISTSTRAT_READY_FD"
 """A file descriptor `serve()` writes one line to once the server is ready (the launcher's)."""
 
+WORKERS_GONE_FOR = 10.0
+"""Seconds a PS started by `serve()` waits, once no worker of its job answers any more,
+before it takes the job for ended (the launcher names it too)."""
+
 CPUS_ENV = "DISTSTRAT_CPUS_PER_WORKER"
 """Logical CPU devices of a worker process (`--cpus-per-worker`)."""
 
