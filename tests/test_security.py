@@ -94,3 +94,15 @@ def test_starting_a_server_warns_once_per_process(monkeypatch, caplog):
   with caplog.at_level(logging.WARNING, logger="diststrat"):
     _exposure.server_started("/job:ps/replica:0/task:0", "127.0.0.1:2222")
   assert "reachable only from the job's own processes" in caplog.records[0].getMessage()
+
+
+def test_a_parameter_servers_warning_names_its_warm_up_server(monkeypatch, caplog):
+  """A PS also runs its warm-up client's server, outside the cluster spec: the warning
+  names that port too (it named only the PS's)."""
+  monkeypatch.setattr(_exposure, "_warned", [])
+  monkeypatch.delenv(_exposure.ISOLATED_ENV, raising=False)
+  with caplog.at_level(logging.WARNING, logger="diststrat"):
+    _exposure.server_started("/job:ps/replica:0/task:0", "127.0.0.1:2222", warm_up_port=40001)
+  message = caplog.records[0].getMessage()
+  assert "a second one on port 40001 (job diststrat_warm_up" in message, message
+  assert "(0.0.0.0:2222 and 0.0.0.0:40001," in message, message

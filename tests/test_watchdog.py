@@ -77,3 +77,27 @@ def test_a_task_whose_address_refuses_connections_is_blamed_at_once():
     guard.run(failing, "step 1")
   assert time.monotonic() - start < 1.0  # _BLAME_TIME (2 s) before.
   assert probes == [PS8, PS8]
+
+
+def test_calls_after_a_frozen_task_was_blamed_raise_without_asking_again():
+  # A frozen task: a step is abandoned at step_timeout, blaming it. Every later call
+  # raises at once, naming it; it used to probe all tasks again first (about 2 s each).
+  release = threading.Event()
+  probes = []
+
+  def frozen_probe(task):
+    probes.append(task)
+    release.wait(30)  # Never answers while the test runs.
+
+  guard = _watchdog.StepGuard([PS7], probe=frozen_probe, timeout=0.3, name="guard")
+  try:
+    with pytest.raises(ClusterError, match=f"waiting on {PS7}, which does not answer"):
+      guard.run(lambda: release.wait(30), "step 1")
+    asked = len(probes)
+    assert asked >= 1
+    for i in range(3):
+      with pytest.raises(ClusterError, match=f"{PS7} does not answer: it is frozen"):
+        guard.check_healthy(f"read {i}")
+    assert len(probes) == asked  # Nobody was asked again.
+  finally:
+    release.set()

@@ -22,25 +22,37 @@ _warned: list[str] = []  # The task whose server was warned about (at most one).
 _lock = threading.Lock()
 
 
-def server_started(task, address):
-  """Logs the warning for `task`'s server at `address` (host:port), once per process."""
+def server_started(task, address, warm_up_port=None):
+  """Logs the warning for `task`'s server at `address` (host:port), once per process.
+
+  `warm_up_port`: a parameter server's second server, the one of its own warm-up client
+  (job `diststrat_warm_up`, cluster/_serve.py), on a port outside the cluster spec; the
+  warning names it too.
+  """
   with _lock:
     if _warned:
       return
     _warned.append(task)
   port = address.rsplit(":", 1)[-1]
+  ports = f"port {port}"
+  listens = f"0.0.0.0:{port}"
+  if warm_up_port is not None:
+    ports = (f"port {port}, and a second one on port {warm_up_port} (job diststrat_warm_up: "
+             "the parameter server's own client, which warms it up; it is not in the "
+             "cluster spec and accepts the same)")
+    listens = f"0.0.0.0:{port} and 0.0.0.0:{warm_up_port}"
   if os.environ.get(ISOLATED_ENV) == "1":
     logger.warning(
-        "diststrat started TensorFlow's gRPC server of %s on port %s. It runs any graph "
+        "diststrat started TensorFlow's gRPC server of %s on %s. It runs any graph "
         "any client sends, without authentication; here it is reachable only from the "
         "job's own processes (a LocalCluster's or a diststrat-run job's: they share a "
         "private network namespace). See "
-        "docs/security.md.", task, port)
+        "docs/security.md.", task, ports)
     return
   logger.warning(
-      "diststrat started TensorFlow's gRPC server of %s on port %s. TensorFlow listens on "
-      "every network interface (0.0.0.0:%s, whatever host the cluster spec names) and "
-      "runs any graph any client sends, without authentication: whoever can reach this "
-      "port can read and overwrite every variable and run code in this process. Run "
+      "diststrat started TensorFlow's gRPC server of %s on %s. TensorFlow listens on "
+      "every network interface (%s, whatever host the cluster spec names) and "
+      "runs any graph any client sends, without authentication: whoever can reach these "
+      "ports can read and overwrite every variable and run code in this process. Run "
       "clusters on a private network or behind a firewall that admits only the cluster's "
-      "hosts; see docs/security.md.", task, port, port)
+      "hosts, on every port; see docs/security.md.", task, ports, listens)

@@ -186,6 +186,7 @@ class StepGuard:
     self._helper = None
     self._lock = threading.Lock()
     self._failure = None  # The first cluster fault seen since connecting (a TF error).
+    self._failure_blame = None  # (task, probe status) found for it, when one was.
     # Which connection: `clear_failure` (connecting again) starts a new one. A call that
     # started before it (abandoned at its timeout, still running in a helper thread)
     # may fail after it; that fault is the old connection's, and is not recorded.
@@ -196,14 +197,15 @@ class StepGuard:
     """Raises `ClusterError` if a task failed since the last `clear_failure()`."""
     failure = self._failure
     if failure is not None:
-      with raw_errors():
-        translated = self.translate(failure, what, record=False)
+      with raw_errors():  # Blamed when it happened: later calls raise at once, no probe.
+        translated = self.translate(failure, what, record=False, blame=self._failure_blame)
       raise translated
 
   def clear_failure(self):
     """Forgets the fault seen: called when connecting again."""
     self._epoch += 1
     self._failure = None
+    self._failure_blame = None
 
   def wait_for(self, wait, what="waiting for the operations sent to the cluster"):
     """`wait()` (TensorFlow's wait for pending eager work) bounded, faults as `ClusterError`.
@@ -291,7 +293,8 @@ class StepGuard:
       raise error.with_traceback(error.__traceback__)
     raise translated from error
 
-  def translate(self, error, what, require_task=False, record=True, probe=True):
+  def translate(self, error, what, require_task=False, record=True, probe=True,
+                blame=None):
     """`error` as a `ClusterError` naming the task at fault, if it is a cluster fault.
 
     Args:
@@ -300,18 +303,21 @@ class StepGuard:
       require_task: leave `error` alone when no task of this guard can be blamed.
       record: remember the fault (see `check_healthy`).
       probe: ask the tasks which one is at fault; else the error's text decides.
+      blame: (task, status) already found for `error` (a recorded fault): no asking.
     """
     if not isinstance(error, tf.errors.OpError) or not _faults.is_cluster_fault(error):
       return error
     known = self._known_fault(error) if self._known_fault is not None else None
-    task, status = known if known is not None else self._blame(error, probe)
+    if known is None and blame is None:
+      blame = self._blame(error, probe)
+    task, status = known if known is not None else blame
     summary = _faults.error_summary(error)
     if status == "answers" or (
         task is None and status is None and self._blame_silent_peers and isinstance(
             error, tf.errors.DeadlineExceededError)):
       # Every peer answers, yet the collective timed out: they did not join it.
       if record:
-        self._record(error)
+        self._record(error, (task, status))
       task = self.tasks[0] if len(self.tasks) == 1 else None
       message = (f"{self._role}{'s' if len(self.tasks) > 1 else ''} "
                  f"{', '.join(self.tasks)} answer{'' if len(self.tasks) > 1 else 's'} but "
@@ -321,7 +327,7 @@ class StepGuard:
     if task is None and require_task:
       return error
     if record:
-      self._record(error)
+      self._record(error, (task, status))
     who = f"{self._role} {task}" if task else f"A {self._role.lower()}"
     if status == "restarted" or (status is None and
                                  _faults.error_means_task_restarted(error)):
@@ -335,10 +341,11 @@ class StepGuard:
                  f"failed: {summary}). {self._advice}")
     return errors.ClusterError(message, task=task)
 
-  def _record(self, error):
-    """Remembers the first fault of this connection (see `check_healthy`)."""
+  def _record(self, error, blame=None):
+    """Remembers the first fault of this connection and whom it blamed (see
+    `check_healthy`)."""
     if self._failure is None and getattr(self._local, "epoch", self._epoch) == self._epoch:
-      self._failure = error
+      self._failure, self._failure_blame = error, blame
 
   def _blame(self, error, probe=True):
     """(the task most likely at fault for `error` or None, that task's probe status).
@@ -378,6 +385,7 @@ class StepGuard:
       self._failure = tf.errors.DeadlineExceededError(
           None, None, f"{what} did not finish within step_timeout; {blamed[0]} "
           f"{statuses[blamed[0]]}")
+      self._failure_blame = (blamed[0], statuses[blamed[0]])
     logger.warning("diststrat watchdog: %s of %s has been stuck for %.1f s (step_timeout "
                    "%.1f s), waiting on %s. Tasks: %s.", what, self._name, elapsed,
                    self.timeout, ", ".join(blamed) if blamed else "no task in particular",

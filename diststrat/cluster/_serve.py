@@ -60,10 +60,13 @@ def start_server(cluster_spec: dict, task_type: str, task_id: int,
   """Starts the TensorFlow server of a task (warmed up if a PS) and says who can reach it."""
   server = tf.distribute.Server(tf.train.ClusterSpec(cluster_spec), job_name=task_type,
                                 task_index=task_id, protocol="grpc", start=True)
-  _exposure.server_started(task_name(task_type, task_id), cluster_spec[task_type][task_id])
   if task_type == "ps":
     host = cluster_spec["ps"][task_id].rsplit(":", 1)[0].strip("[]")
-    warm_up(cluster_spec, task_id, warm_up_port or _free_port(host))
+    warm_up_port = warm_up_port or _free_port(host)
+  _exposure.server_started(task_name(task_type, task_id), cluster_spec[task_type][task_id],
+                           warm_up_port if task_type == "ps" else None)
+  if task_type == "ps":
+    warm_up(cluster_spec, task_id, warm_up_port)
   return server
 
 

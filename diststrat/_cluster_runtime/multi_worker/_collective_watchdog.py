@@ -112,8 +112,10 @@ class CollectiveWatchdog:
     return self._thread is not None and self._thread.is_alive()
 
   def _main(self):
-    last_probe, refused = 0.0, {}
-    while not self._stop.wait(_TICK):
+    last_probe, refused, statuses, final_for = 0.0, {}, {}, None
+    sleep = _TICK
+    while not self._stop.wait(sleep):
+      sleep = _TICK
       try:
         calls = list(self._calls.values())
       except RuntimeError:  # Changed while copied: look again at the next tick.
@@ -124,10 +126,17 @@ class CollectiveWatchdog:
         continue
       start = min(t for t, _ in calls)
       waited = now - start
-      if waited < self.probe_after or now - last_probe < _PROBE_EVERY:
+      deadline = start + self.timeout
+      # The last round of health checks before the deadline starts early enough to end
+      # by it, so that the verdict comes at `timeout`, not a round later.
+      final = (final_for != start and
+               now >= deadline - _PROBE_TIMEOUT * len(self.peers) - _TICK)
+      if waited < self.probe_after or (now - last_probe < _PROBE_EVERY and not final):
         continue
       last_probe = now
       statuses = {task: self._status(task) for task in self.peers}
+      if final:
+        final_for = start
       if self._stop.is_set() or not self._calls:
         continue
       failed = [t for t, s in statuses.items() if s not in ("answers", "does not answer")]
@@ -137,10 +146,22 @@ class CollectiveWatchdog:
       for task in failed:
         refused[task] = refused.get(task, 0) + 1
       confirmed = [t for t in failed if refused[t] >= 2]
-      waited = time.monotonic() - start
       if confirmed:
+        waited = time.monotonic() - start
         self._abort(Verdict(confirmed[0], statuses[confirmed[0]], waited, statuses))
         return
+      if final_for == start and time.monotonic() < deadline:
+        sleep = deadline - time.monotonic()  # Wake up at the deadline itself.
+        if self._stop.wait(max(0.0, sleep)):
+          return
+        sleep = 0.0
+        try:
+          calls = list(self._calls.values())
+        except RuntimeError:
+          continue
+        if not calls or min(t for t, _ in calls) != start:
+          continue  # That call ended meanwhile.
+      waited = time.monotonic() - start
       if waited < self.timeout or not self._runs_collectives(calls):
         continue
       silent = [t for t, s in statuses.items() if s == "does not answer"]
