@@ -60,13 +60,15 @@ def start_server(cluster_spec: dict, task_type: str, task_id: int,
   """Starts the TensorFlow server of a task (warmed up if a PS) and says who can reach it."""
   server = tf.distribute.Server(tf.train.ClusterSpec(cluster_spec), job_name=task_type,
                                 task_index=task_id, protocol="grpc", start=True)
-  if task_type == "ps":
-    host = cluster_spec["ps"][task_id].rsplit(":", 1)[0].strip("[]")
-    warm_up_port = warm_up_port or _free_port(host)
+  if task_type != "ps":
+    _exposure.server_started(task_name(task_type, task_id),
+                             cluster_spec[task_type][task_id])
+    return server
+  host = cluster_spec["ps"][task_id].rsplit(":", 1)[0].strip("[]")
+  port = warm_up_port or _free_port(host)
   _exposure.server_started(task_name(task_type, task_id), cluster_spec[task_type][task_id],
-                           warm_up_port if task_type == "ps" else None)
-  if task_type == "ps":
-    warm_up(cluster_spec, task_id, warm_up_port)
+                           warm_up_port=port)
+  warm_up(cluster_spec, task_id, port)
   return server
 
 
