@@ -87,6 +87,9 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     self._timeout = _arguments.seconds("timeout", timeout, allow_none=False)
     # (local devices, all devices, worker index, number of workers), once bound.
     self._cluster: Optional[tuple[tuple[str, ...], tuple[str, ...], int, int]] = None
+    # The tf.functions eager broadcasts and gathers run in, made once each (one made per
+    # call retraced every time: TensorFlow warned of it in every worker).
+    self._eager_functions: dict = {}
 
   @property
   def scheme(self) -> str:
@@ -190,7 +193,7 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
         return self._across_workers([mine], mean=False)[0]
 
     if tf.executing_eagerly():
-      return tf.function(build, autograph=False)(tensor)
+      return self._eager_function("broadcast_from_chief", build)(tensor)
     return build(tensor)
 
   def gather(self, per_device_value: Any, axis: int) -> tf.Tensor:
@@ -205,8 +208,18 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
 
     components = [per_device_value.get(d) for d in local]
     if tf.executing_eagerly():
-      return tf.function(build, autograph=False)(*components)
+      return self._eager_function(("gather", axis), build)(*components)
     return build(*components)
+
+  def _eager_function(self, key, build):
+    """The tf.function of `build` for `key`, made once: later calls of the same shapes
+    reuse its trace, and other shapes relax into one (`reduce_retracing`). Every worker
+    makes the same calls in the same order, so they trace the same collectives."""
+    function = self._eager_functions.get(key)
+    if function is None:
+      function = self._eager_functions[key] = tf.function(
+          build, autograph=False, reduce_retracing=True)
+    return function
 
   # --- building blocks ---
 
