@@ -134,6 +134,8 @@ class MeasuredCrossTowerOps(_base.CrossTowerOps):
     return self._candidates
 
   def __repr__(self):
+    if len(self._devices) == 1:
+      return "MeasuredCrossTowerOps(one device: nothing to reduce)"
     return f"MeasuredCrossTowerOps(chosen={self._chosen!r})"
 
   def _run(self, kind, aggregation, items):
