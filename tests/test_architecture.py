@@ -45,7 +45,7 @@ LAYERS = [
     ("reductions", ["cross_tower_ops._packing", "cross_tower_ops._collective",
                     "cross_tower_ops._launch", "cross_tower_ops._base",
                     "cross_tower_ops._one_device", "cross_tower_ops._all_reduce",
-                    "cross_tower_ops._choose", "cross_tower_ops._cross_worker",
+                    "cross_tower_ops._measured", "cross_tower_ops._choose", "cross_tower_ops._cross_worker",
                     "cross_tower_ops"]),
     ("strategy machinery", ["_strategy", "strategies._tower_threads",
                             "_cluster_runtime._faults", "_cluster_runtime._exposure",

@@ -195,12 +195,18 @@ class ExtendedAdapter:
 
     Keras hands over values it all-reduced, so every component is the same value: one
     without a component on the variable's device (ParameterServer: towers on workers,
-    the variable on a parameter device) stands for any of its components.
+    the variable on a parameter device) stands for any of its components. A gradient
+    that is the first device's copy of a sum the towers' gradients were reduced to
+    (`_training.summed_copies`) stands for that sum: each copy of `var` is updated from
+    the sum on its own device.
     """
     var = as_tf_variable(var)
     devices = _wrapped.devices_of(var)
 
     def local(x):
+      copies = _training.summed_copies(x)  # The sum Keras got: its copy on each device.
+      if copies is not None and all(d in copies for d in devices):
+        return copies
       if isinstance(x, _wrapped.DistributedValues) and not isinstance(x, tf.Variable) and \
           not all(d in x for d in devices):
         return x.primary

@@ -11,7 +11,9 @@ device, when Keras's trainer calls `StrategyAdapter.run(step, args=(global_batch
   batch weighs each tower by its examples.
 * Summing: a Keras optimizer's `apply` called in a tower is taken at its top, the
   towers' gradients are summed, and Keras's own `apply` runs once, in cross-tower
-  context, on the sum (`route_optimizer`, `apply_from_tower`).
+  context, on the sum (`route_optimizer`, `apply_from_tower`). Keras sees the first
+  device's sum; each copy of a variable is updated from the sum on its own device
+  (`summed_copies`), not from a copy of the first device's.
 * Combining: the step's results are the model's metrics read in cross-tower context
   (exact over all towers), or the towers' predictions concatenated in input order
   (`combine_step_outputs`).
@@ -33,6 +35,8 @@ of the strategy:
 Importing this module registers a tensor conversion for `TowerShare` with TensorFlow.
 """
 
+import contextlib
+import threading
 import typing
 import weakref
 from typing import Any
@@ -238,6 +242,35 @@ def apply_from_tower(adapter, optimizer, grads, trainable_variables=None):
   return None
 
 
+_summed = threading.local()  # copies: {tensor.ref(): Mirrored} while Keras applies sums
+
+
+def summed_copies(value):
+  """The `Mirrored` sum (a copy on every device) whose first device's copy is `value`.
+
+  While `apply_summed` runs Keras's `apply`, Keras passes the first device's sum of a
+  gradient to `extended.update`; this finds the copies of that sum on the other
+  devices, so that each copy of the variable is updated from the sum on its own device
+  (no copy from the first device). Returns None for anything else: a gradient Keras
+  transformed first (clipped, unscaled by a `LossScaleOptimizer`, accumulated) is a new
+  tensor on the first device, which `update` then copies to each device.
+  """
+  copies = getattr(_summed, "copies", None)
+  if not copies or not isinstance(value, tf.Tensor):
+    return None
+  return copies.get(value.ref())
+
+
+@contextlib.contextmanager
+def _remembering(copies):
+  saved = getattr(_summed, "copies", None)
+  _summed.copies = copies
+  try:
+    yield
+  finally:
+    _summed.copies = saved
+
+
 def apply_summed(strategy, adapter, optimizer, grads, variables):
   """merge_fn: sums the towers' gradients, then runs Keras's `apply` once on the sum."""
   present = [i for i, g in enumerate(grads) if g is not None]
@@ -245,10 +278,15 @@ def apply_summed(strategy, adapter, optimizer, grads, variables):
       if present else []
   first_device = strategy.worker_devices[0]
   summed = [None] * len(grads)
+  copies = {}
   for i, value in zip(present, reduced, strict=True):
-    summed[i] = value.get(first_device) if isinstance(
-        value, _wrapped.DistributedValues) else value
-  with _tf_internal.tf_distribution_mode(adapter, SummedGradientsContext(adapter)):
+    if isinstance(value, _wrapped.DistributedValues):
+      summed[i] = value.get(first_device)
+      copies[summed[i].ref()] = value
+    else:
+      summed[i] = value
+  with _tf_internal.tf_distribution_mode(adapter, SummedGradientsContext(adapter)), \
+      _remembering(copies):
     type(optimizer).apply(optimizer, summed, variables)
 
 

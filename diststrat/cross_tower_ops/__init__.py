@@ -1,13 +1,15 @@
 """Cross-tower reduction: combine per-tower values across devices.
 
 `CrossTowerOps` is the base class; `ReductionToOneDevice` and `AllReduceCrossTowerOps`
-ship, and `choose_cross_tower_ops(devices)` picks one for a set of devices. See
+ship, `choose_cross_tower_ops(devices)` picks one for a set of devices instantly, and
+`MeasuredCrossTowerOps` (`MirroredStrategy`'s default) picks by timing them. See
 docs/cross_tower_ops.md.
 """
 
 from diststrat.cross_tower_ops._all_reduce import AllReduceCrossTowerOps as AllReduceCrossTowerOps
 from diststrat.cross_tower_ops._choose import choose_cross_tower_ops as choose_cross_tower_ops
 from diststrat.cross_tower_ops._base import CrossTowerOps as CrossTowerOps
+from diststrat.cross_tower_ops._measured import MeasuredCrossTowerOps as MeasuredCrossTowerOps
 from diststrat.cross_tower_ops._cross_worker import CrossWorkerAllReduce as CrossWorkerAllReduce
 from diststrat.cross_tower_ops._one_device import ReductionToOneDevice as ReductionToOneDevice
 
@@ -16,5 +18,6 @@ __all__ = [
     "ReductionToOneDevice",
     "AllReduceCrossTowerOps",
     "choose_cross_tower_ops",
+    "MeasuredCrossTowerOps",
     "CrossWorkerAllReduce",
 ]

@@ -1,11 +1,15 @@
 """`MirroredStrategy`: data parallelism over the devices of one machine."""
 
+import threading
+import time
 from typing import Any, Optional, Sequence
 
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
 from diststrat import cross_tower_ops
+from diststrat.cross_tower_ops import _choose
+from diststrat.cross_tower_ops import _measured
 from diststrat._strategy import DistributionStrategy
 from diststrat.strategies import _tower_threads
 from diststrat.values import _variables
@@ -66,10 +70,13 @@ class MirroredStrategy(DistributionStrategy):
   Args:
     devices: the devices to run towers on. Default: all local GPUs, else all local CPU
       devices.
-    cross_tower_ops: a `diststrat.cross_tower_ops.CrossTowerOps` that does reductions.
-      Default: `choose_cross_tower_ops(devices)`: NCCL on several GPUs, collective ops
-      otherwise. On logical CPU devices `AllReduceCrossTowerOps("naive")` is faster
-      (docs/cross_tower_ops.md, "Which one to pick", says when to pick another).
+    cross_tower_ops: a `diststrat.cross_tower_ops.CrossTowerOps` that does reductions,
+      used as it is. Default: the one `DISTSTRAT_CROSS_TOWER_OPS` names (`naive`,
+      `hierarchical_copy`, `collective`, `nccl`, optionally `:<num_packs>`, or
+      `one_device`), else measured: the first reduction of each kind of batch times the
+      shipped algorithms that fit the devices, with and without packing, once per
+      process, and keeps the fastest (`strategy.cross_tower_ops.chosen` shows it after
+      the first step). docs/cross_tower_ops.md, "The default: measured".
     tower_timeout: seconds a tower may run between two pauses (merge_call or return)
       before the call fails with an error naming the tower; a guard against hangs.
 
@@ -94,8 +101,11 @@ class MirroredStrategy(DistributionStrategy):
     if not devices:
       raise ValueError("MirroredStrategy needs at least one device. Received: devices=[]")
     self._devices = self._check_devices(devices)
+    if cross_tower_ops is None:  # A bad DISTSTRAT_CROSS_TOWER_OPS is refused here.
+      cross_tower_ops = _choose.default_cross_tower_ops(self._devices, self._budget)
     self._cross_tower_ops = cross_tower_ops
     self._tower_timeout = tower_timeout
+    self._step = threading.local()  # started: perf_counter() at the outermost call's start
 
   def _check_devices(self, devices):
     """`devices` if they all exist here (a subclass may check them later), else raises."""
@@ -106,13 +116,18 @@ class MirroredStrategy(DistributionStrategy):
 
   @property
   def cross_tower_ops(self) -> "cross_tower_ops.CrossTowerOps":
-    """The `CrossTowerOps` that does this strategy's reductions."""
+    """The `CrossTowerOps` that does this strategy's reductions: the one given, or by
+    default a `MeasuredCrossTowerOps` whose `.chosen` (and repr) shows the algorithm it
+    measured fastest, after the first reduction."""
     return self._get_cross_tower_ops()
 
   def _get_cross_tower_ops(self):
-    if self._cross_tower_ops is None:
-      self._cross_tower_ops = cross_tower_ops.choose_cross_tower_ops(self._devices)
     return self._cross_tower_ops
+
+  def _budget(self):
+    """Seconds the default's measurement may take: at most 1 s, and inside a step 10% of
+    the step's time so far (`_measured.measurement_budget`)."""
+    return _measured.measurement_budget(getattr(self._step, "started", None))
 
   # --- variables ---
 
@@ -135,8 +150,15 @@ class MirroredStrategy(DistributionStrategy):
   # --- towers ---
 
   def _call_for_each_tower(self, fn, args, kwargs):
-    runner = _tower_threads.TowerRunner(self, self._devices, self._tower_timeout)
-    return _wrapped.regroup(runner.run(fn, args, kwargs), self._devices)
+    outermost = getattr(self._step, "started", None) is None
+    if outermost:
+      self._step.started = time.perf_counter()
+    try:
+      runner = _tower_threads.TowerRunner(self, self._devices, self._tower_timeout)
+      return _wrapped.regroup(runner.run(fn, args, kwargs), self._devices)
+    finally:
+      if outermost:
+        self._step.started = None
 
   # --- reductions and updates: the base class's, through _get_cross_tower_ops ---
 
