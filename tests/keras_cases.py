@@ -1,5 +1,7 @@
 """What tests/test_keras*.py share: the strategies they run under, and comparisons."""
 
+import types
+
 import numpy as np
 import tensorflow as tf
 
@@ -39,3 +41,19 @@ def assert_all_close(got, expected, **tol):
   assert len(got) == len(expected)
   for g, e in zip(got, expected, strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(e), **(tol or TOL))
+
+
+def frozen(arrays):
+  """Read-only copies of `arrays`, as a tuple: a reference computed once (lru_cache) and
+  shared by several tests, which no test can change."""
+  result = []
+  for array in arrays:
+    array = np.array(array, copy=True)
+    array.setflags(write=False)
+    result.append(array)
+  return tuple(result)
+
+
+def frozen_history(history):
+  """A read-only copy of a Keras `History.history` (name -> tuple of floats)."""
+  return types.MappingProxyType({k: tuple(float(x) for x in v) for k, v in history.items()})

@@ -8,6 +8,7 @@ diststrat, and the bridge's error messages.
 """
 
 import collections
+import functools
 import json
 import os
 import subprocess
@@ -19,7 +20,8 @@ import pytest
 import tensorflow as tf
 
 import diststrat as ds
-from keras_cases import STRATEGIES, TOL, assert_all_close, assert_copies_equal, copies
+from keras_cases import (STRATEGIES, TOL, assert_all_close, assert_copies_equal, copies,
+                         frozen)
 
 
 MODES = ["eager", "function"]
@@ -182,8 +184,13 @@ def _read_now(value):
   return None if value is None else np.asarray(tf.convert_to_tensor(value))
 
 
-def _one_device_keras_loop(make_optimizer, batch=32):
-  return _keras_custom_loop(ds.DefaultStrategy(), make_optimizer, "eager", batch)
+@functools.lru_cache(maxsize=None)
+def _one_device_keras_loop(optimizer, batch=32):
+  """One device's weights and step count after the loop with KERAS_OPTIMIZERS[optimizer]:
+  the reference of every strategy and mode, computed once."""
+  model, opt, _ = _keras_custom_loop(ds.DefaultStrategy(), KERAS_OPTIMIZERS[optimizer],
+                                     "eager", batch)
+  return frozen(model.get_weights()), int(opt.iterations.numpy())
 
 
 # Every optimizer on 4 towers in a tf.function; some eagerly, and on 2 towers.
@@ -195,20 +202,20 @@ OPTIMIZER_CASES = [(o, s, "function") for o in sorted(KERAS_OPTIMIZERS)
 
 @pytest.mark.parametrize("optimizer,name,mode", OPTIMIZER_CASES)
 def test_keras_optimizer_in_towers_matches_one_device(optimizer, name, mode):
-  expected, expected_opt, _ = _one_device_keras_loop(KERAS_OPTIMIZERS[optimizer])
+  expected_weights, expected_iterations = _one_device_keras_loop(optimizer)
   model, opt, returned = _keras_custom_loop(STRATEGIES[name](), KERAS_OPTIMIZERS[optimizer],
                                             mode)
-  assert_all_close(model.get_weights(), expected.get_weights())
-  assert int(opt.iterations.numpy()) == int(expected_opt.iterations.numpy()) == OPT_STEPS
+  assert_all_close(model.get_weights(), expected_weights)
+  assert int(opt.iterations.numpy()) == expected_iterations == OPT_STEPS
   # apply_gradients returns the step count; the tf.function step returned it.
   assert [int(np.asarray(r)) for r in returned] == list(range(1, OPT_STEPS + 1))
 
 
 def test_keras_optimizer_on_a_ragged_batch_matches_one_device():
-  make = KERAS_OPTIMIZERS["sgd_momentum"]
-  expected, _, _ = _one_device_keras_loop(make, batch=41)
-  model, _, _ = _keras_custom_loop(STRATEGIES["mirrored4"](), make, "function", batch=41)
-  assert_all_close(model.get_weights(), expected.get_weights())
+  expected_weights, _ = _one_device_keras_loop("sgd_momentum", batch=41)
+  model, _, _ = _keras_custom_loop(STRATEGIES["mirrored4"](), KERAS_OPTIMIZERS["sgd_momentum"],
+                                   "function", batch=41)
+  assert_all_close(model.get_weights(), expected_weights)
 
 
 # --- diststrat's own optimizers: ragged batches, what apply_gradients returns -------------
@@ -230,13 +237,19 @@ def _ds_custom_loop(strategy, mode, batch, global_step=False):
   return model, _run_steps(strategy, tower_fn, mode, (x, y), batch)
 
 
+@functools.lru_cache(maxsize=None)
+def _ds_one_device_weights(batch):
+  """One device's weights after `_ds_custom_loop`: every strategy's and mode's reference."""
+  model, _ = _ds_custom_loop(ds.DefaultStrategy(), "eager", batch=batch)
+  return frozen(model.get_weights())
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["mirrored4", "ps4"])
 def test_ds_optimizer_on_a_ragged_batch_matches_one_device(name, mode):
   # 41 examples on 4 towers: 11/10/10/10. Each tower's mean loss weighs n_i / 41.
-  expected, _ = _ds_custom_loop(ds.DefaultStrategy(), "eager", batch=41)
   model, _ = _ds_custom_loop(STRATEGIES[name](), mode, batch=41)
-  assert_all_close(model.get_weights(), expected.get_weights())
+  assert_all_close(model.get_weights(), _ds_one_device_weights(41))
 
 
 @pytest.mark.parametrize("global_step", [False, True])

@@ -8,6 +8,7 @@ model trained on one device with no strategy.
 
 import functools
 import os
+import types
 
 import keras
 import numpy as np
@@ -16,7 +17,7 @@ import tensorflow as tf
 
 import diststrat as ds
 from conftest import CPUS
-from keras_cases import STRATEGIES, assert_all_close, assert_copies_equal
+from keras_cases import STRATEGIES, assert_all_close, assert_copies_equal, frozen, frozen_history
 
 
 FEATURES = 6
@@ -64,7 +65,7 @@ def _make(optimizer="adam", weights=None, **compile_kwargs):
 
 @functools.lru_cache(maxsize=None)
 def _initial_weights():
-  return tuple(_make().get_weights())
+  return frozen(_make().get_weights())
 
 
 def _build(strategy, optimizer="adam", **compile_kwargs):
@@ -107,7 +108,10 @@ def _one_device(tmp_dir):
   model = _make(weights=list(_initial_weights()))
   path = os.path.join(tmp_dir, "one_device.keras")
   history, evaluated, predicted = _fit_evaluate_predict(model, "numpy", path)
-  return model.get_weights(), history, evaluated, predicted, path
+  # The weights in ModelCheckpoint's file (the best epoch's, not the last), loaded once.
+  checkpoint_weights = frozen(keras.models.load_model(path).get_weights())
+  return (frozen(model.get_weights()), frozen_history(history), types.MappingProxyType(evaluated),
+          frozen([predicted])[0], checkpoint_weights)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +134,7 @@ FIT_CASES = [("mirrored1", "numpy"), ("mirrored2", "numpy"),
 
 @pytest.mark.parametrize("name,data", FIT_CASES)
 def test_fit_evaluate_predict_match_one_device(name, data, one_device, tmp_path):
-  weights, history, evaluated, predicted, reference_path = one_device
+  weights, history, evaluated, predicted, checkpoint_weights = one_device
   strategy = STRATEGIES[name]()
   model = _build(strategy)
   assert model.distribute_strategy is not None
@@ -153,7 +157,7 @@ def test_fit_evaluate_predict_match_one_device(name, data, one_device, tmp_path)
   assert_copies_equal(model.weights + model.optimizer.variables)
   # ModelCheckpoint's file, written under the strategy, loads with none.
   loaded = keras.models.load_model(path)
-  assert_all_close(loaded.get_weights(), keras.models.load_model(reference_path).get_weights())
+  assert_all_close(loaded.get_weights(), checkpoint_weights)
 
 
 def test_weight_files_move_between_strategies(tmp_path):
@@ -179,21 +183,32 @@ def test_weight_files_move_between_strategies(tmp_path):
   assert_copies_equal(loaded.weights)
 
 
-@pytest.mark.parametrize("name", ["mirrored4", "ps4"])
-def test_ragged_last_batch_matches_one_device(name):
+def _ragged_fit_evaluate_predict(model):
   # 123 examples in batches of 41, split 11/10/10/10: towers weigh by their examples.
   x, y = _data(123, seed=2)
+  history = model.fit(x, y, batch_size=41, epochs=2, shuffle=False, verbose=0).history
+  return (history, model.evaluate(x, y, batch_size=41, verbose=0, return_dict=True),
+          model.predict(x, batch_size=41, verbose=0))
+
+
+@functools.lru_cache(maxsize=None)
+def _ragged_one_device():
+  """One device's history, evaluation, prediction and weights: both strategies' reference."""
   reference = _make("sgd_momentum", list(_initial_weights()))
+  history, evaluated, predicted = _ragged_fit_evaluate_predict(reference)
+  return (frozen_history(history), types.MappingProxyType(evaluated), frozen([predicted])[0],
+          frozen(reference.get_weights()))
+
+
+@pytest.mark.parametrize("name", ["mirrored4", "ps4"])
+def test_ragged_last_batch_matches_one_device(name):
+  expected_history, expected_eval, expected_pred, expected_weights = _ragged_one_device()
   model = _build(STRATEGIES[name](), "sgd_momentum")
-  results = []
-  for m in (reference, model):
-    history = m.fit(x, y, batch_size=41, epochs=2, shuffle=False, verbose=0).history
-    results.append((history, m.evaluate(x, y, batch_size=41, verbose=0, return_dict=True),
-                    m.predict(x, batch_size=41, verbose=0)))
-  (expected_history, expected_eval, expected_pred), (history, evaluated, predicted) = results
+  history, evaluated, predicted = _ragged_fit_evaluate_predict(model)
+  assert sorted(history) == sorted(expected_history)
   for key in expected_history:
     np.testing.assert_allclose(history[key], expected_history[key], rtol=1e-5, atol=1e-6)
-  assert_all_close(model.get_weights(), reference.get_weights())
+  assert_all_close(model.get_weights(), expected_weights)
   assert evaluated == pytest.approx(expected_eval, rel=1e-5, abs=1e-6)
   np.testing.assert_allclose(predicted, expected_pred, rtol=1e-5, atol=1e-5)
 

@@ -7,8 +7,10 @@ the weights (and the optimizer's state) afterwards. The batches of 10 examples s
 """
 
 import contextlib
+import functools
 import os
 import time
+import types
 
 import keras
 import numpy as np
@@ -17,7 +19,7 @@ import tensorflow as tf
 
 import diststrat as ds
 from diststrat.cluster import LocalCluster
-from keras_cases import STRATEGIES, assert_all_close, assert_copies_equal
+from keras_cases import STRATEGIES, assert_all_close, assert_copies_equal, frozen, frozen_history
 
 FEATURES = 5
 BATCH = 10
@@ -54,10 +56,16 @@ def _model(optimizer, weights=None, policy=None, **compile_kwargs):
   return model
 
 
+@functools.lru_cache(maxsize=None)
+def _initial_weights():
+  """The weights every `_fit` starts from: `_model`'s, whatever the optimizer (built once)."""
+  return frozen(_model(lambda: keras.optimizers.SGD(0.1)).get_weights())
+
+
 def _fit(strategy, optimizer, policy=None, epochs=2, data=None, **compile_kwargs):
   """Weights after `fit` (and the model), from the same initial weights."""
   x, y = data if data is not None else _data()
-  weights = _model(optimizer).get_weights()
+  weights = list(_initial_weights())
   scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
   with scope:
     model = _model(optimizer, weights, policy, **compile_kwargs)
@@ -76,10 +84,19 @@ RECIPES = {
 }
 
 
-def _compare(model, history, reference, ref_history):
-  assert_all_close(model.get_weights(), reference.get_weights())
-  assert_all_close([v.numpy() for v in model.optimizer.variables],
-                   [v.numpy() for v in reference.optimizer.variables])
+@functools.lru_cache(maxsize=None)
+def _one_device(recipe):
+  """One device's weights, optimizer variables and history after `fit` with `recipe`: the
+  reference of every strategy, computed once."""
+  reference, ref_history = _fit(None, RECIPES[recipe])
+  return (frozen(reference.get_weights()),
+          frozen(v.numpy() for v in reference.optimizer.variables), frozen_history(ref_history))
+
+
+def _compare(model, history, reference):
+  weights, optimizer_variables, ref_history = reference
+  assert_all_close(model.get_weights(), weights)
+  assert_all_close([v.numpy() for v in model.optimizer.variables], optimizer_variables)
   assert_copies_equal(model.weights + list(model.optimizer.variables))
   np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=1e-5)
 
@@ -92,9 +109,21 @@ def test_optimizer_recipe_equals_one_device(recipe, strategy_name):
   On main: clipping is applied per tower (weights 1e-2 off), accumulation and EMA fail
   with ContextError (a merge_call inside a tf.cond branch / update() in a tower).
   """
-  reference, ref_history = _fit(None, RECIPES[recipe])
   model, history = _fit(STRATEGIES[strategy_name](), RECIPES[recipe])
-  _compare(model, history, reference, ref_history)
+  _compare(model, history, _one_device(recipe))
+
+
+def _mixed_float16_adam():
+  return keras.optimizers.Adam(0.01)
+
+
+@functools.lru_cache(maxsize=None)
+def _mixed_float16_one_device():
+  """The one-device reference of every strategy below, computed once."""
+  reference, ref_history = _fit(None, _mixed_float16_adam, policy="mixed_float16")
+  return (type(reference.optimizer), frozen(reference.get_weights()),
+          float(reference.optimizer.dynamic_scale.numpy()),
+          int(reference.optimizer.iterations.numpy()), frozen_history(ref_history))
 
 
 @pytest.mark.parametrize("strategy_name", ["mirrored1", "mirrored4", "ps4"])
@@ -103,17 +132,17 @@ def test_mixed_float16_equals_one_device(strategy_name):
 
   On main: ContextError, LossScaleOptimizer's tf.cond calls merge_call in a tower.
   """
-  optimizer = lambda: keras.optimizers.Adam(0.01)
-  reference, ref_history = _fit(None, optimizer, policy="mixed_float16")
-  assert isinstance(reference.optimizer, keras.optimizers.LossScaleOptimizer)
-  model, history = _fit(STRATEGIES[strategy_name](), optimizer, policy="mixed_float16")
+  ref_optimizer_class, ref_weights, ref_scale, ref_iterations, ref_history = (
+      _mixed_float16_one_device())
+  assert issubclass(ref_optimizer_class, keras.optimizers.LossScaleOptimizer)
+  model, history = _fit(STRATEGIES[strategy_name](), _mixed_float16_adam,
+                        policy="mixed_float16")
   assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
   # float16 activations: the towers' partial sums round differently from one device's
   # (measured: 2.8e-5 at most after 12 steps).
-  assert_all_close(model.get_weights(), reference.get_weights(), rtol=1e-3, atol=2e-4)
-  assert float(model.optimizer.dynamic_scale.numpy()) == float(
-      reference.optimizer.dynamic_scale.numpy())
-  assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+  assert_all_close(model.get_weights(), ref_weights, rtol=1e-3, atol=2e-4)
+  assert float(model.optimizer.dynamic_scale.numpy()) == ref_scale
+  assert int(model.optimizer.iterations.numpy()) == ref_iterations
   assert_copies_equal(model.weights + list(model.optimizer.variables))
   np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=2e-3)
 
@@ -218,6 +247,31 @@ def _two_output_model(weights=None):
   return model
 
 
+def _two_output_data():
+  x, _ = _data(26)
+  rng = np.random.default_rng(4)
+  y = {"a": rng.normal(size=(26, 1)).astype(np.float32),
+       "b": rng.normal(size=(26, 2)).astype(np.float32)}
+  return x, y
+
+
+@functools.lru_cache(maxsize=None)
+def _two_output_initial_weights():
+  return frozen(_two_output_model().get_weights())
+
+
+@functools.lru_cache(maxsize=None)
+def _two_output_one_device(batch_size):
+  """One device's history, evaluation and weights: every strategy's reference, made once."""
+  x, y = _two_output_data()
+  reference = _two_output_model(list(_two_output_initial_weights()))
+  ref_history = reference.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False,
+                              verbose=0).history
+  ref_eval = reference.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+  return (frozen_history(ref_history), types.MappingProxyType(ref_eval),
+          frozen(reference.get_weights()))
+
+
 @pytest.mark.parametrize("strategy_name", ["mirrored4", "ps4"])
 @pytest.mark.parametrize("batch_size", [10, 3])
 def test_per_output_losses_on_ragged_batches_equal_one_device(strategy_name, batch_size):
@@ -227,17 +281,10 @@ def test_per_output_losses_on_ragged_batches_equal_one_device(strategy_name, bat
   On main: the per-output losses ("a_loss", "b_loss") weigh each tower as a whole batch
   (Keras passes the static batch size, unknown in a traced step), 2.6e-3 off.
   """
-  x, _ = _data(26)
-  rng = np.random.default_rng(4)
-  y = {"a": rng.normal(size=(26, 1)).astype(np.float32),
-       "b": rng.normal(size=(26, 2)).astype(np.float32)}
-  weights = _two_output_model().get_weights()
-  reference = _two_output_model(weights)
-  ref_history = reference.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False,
-                              verbose=0).history
-  ref_eval = reference.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+  x, y = _two_output_data()
+  ref_history, ref_eval, ref_weights = _two_output_one_device(batch_size)
   with STRATEGIES[strategy_name]().scope():
-    model = _two_output_model(weights)
+    model = _two_output_model(list(_two_output_initial_weights()))
   history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0).history
   evaluated = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
   assert sorted(history) == sorted(ref_history) and "a_loss" in history
@@ -248,7 +295,7 @@ def test_per_output_losses_on_ragged_batches_equal_one_device(strategy_name, bat
   for key in ref_eval:
     np.testing.assert_allclose(evaluated[key], ref_eval[key], rtol=1e-5, atol=1e-6,
                                err_msg=key)
-  assert_all_close(model.get_weights(), reference.get_weights())
+  assert_all_close(model.get_weights(), ref_weights)
 
 
 def _generator_numbers(strategy):

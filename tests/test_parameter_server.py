@@ -123,7 +123,7 @@ def test_non_slot_variables_on_one_ps_device():
 def test_towers_match_one_device(name, sparse, mode):
   steps = 10
   ids, y = opt_tests._data(steps)
-  expected_emb, expected_w = opt_tests._reference(name, sparse, ids, y)
+  expected_emb, expected_w = opt_tests._reference(name, sparse, steps)
   s = _strategy(workers=CPUS[:4])
   with s.scope():
     emb, w = opt_tests._make_vars()

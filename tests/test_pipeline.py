@@ -77,6 +77,24 @@ def _shared(num_stages):
   return layers, pipe.stage_sizes
 
 
+def _frozen(tensors):
+  """Read-only numpy copies of `tensors`, as a tuple (a cached reference no test changes)."""
+  arrays = tuple(np.array(t) for t in tensors)
+  for array in arrays:
+    array.setflags(write=False)
+  return arrays
+
+
+@functools.lru_cache(maxsize=None)
+def _sequential_loss_and_grads(num_stages, num_micro_batches):
+  """The layers of `_shared(num_stages)` in sequence on the input of this case: output and
+  gradients, computed once for both recompute settings and both modes."""
+  layers, _ = _shared(num_stages)
+  x = _input(seed=num_stages * 10 + num_micro_batches)
+  y, grads = _loss_and_grads(functools.partial(_sequential, layers), _variables(layers), x)
+  return _frozen([y])[0], _frozen(grads)
+
+
 def test_import_diststrat_makes_the_pipeline_available():
   assert ds.pipeline.GPipe is GPipe and ds.pipeline.partition is partition
   assert "pipeline" in ds.__all__
@@ -187,8 +205,7 @@ def test_matches_sequential(num_stages, num_micro_batches, recompute, mode):
   pipe = GPipe(layers, devices=CPUS[:num_stages], num_micro_batches=num_micro_batches,
                recompute=recompute, partition=sizes)
   x = _input(seed=num_stages * 10 + num_micro_batches)
-  expected_y, expected_grads = _loss_and_grads(
-      functools.partial(_sequential, layers), _variables(layers), x)
+  expected_y, expected_grads = _sequential_loss_and_grads(num_stages, num_micro_batches)
   step = functools.partial(_loss_and_grads, lambda t: pipe(t, training=True),
                            pipe.trainable_variables)
   if mode == "function":
@@ -352,7 +369,9 @@ def test_checkpoint_restores_into_another_stage_count(tmp_path):
 
 # --- training equals one device ------------------------------------------------------
 
-STEPS, LR = 10, 0.05
+# Five steps: every optimizer's state (momentum, Adam's moments and powers) carries over four
+# times; each test compares every variable after the last one.
+STEPS, LR = 5, 0.05
 OPTIMIZERS = {
     "ds_sgd": lambda: ds.optimizers.GradientDescent(LR),
     "ds_momentum": lambda: ds.optimizers.Momentum(LR, 0.9),
@@ -399,11 +418,7 @@ def _initial_weights(seed=7):
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_training_matches_one_device(opt_name, mode):
   xs, ys = _training_data()
-  reference = _make_layers(seed=8)
-  _sequential(reference, xs[0])
-  _copy_weights(_initial_weights(), reference)
-  expected = _train(lambda t: _sequential(reference, t), _variables(reference),
-                    OPTIMIZERS[opt_name](), "eager", xs, ys)
+  expected = _expected_one_device(opt_name)
   layers = _make_layers(seed=9)
   pipe = GPipe(layers, devices=CPUS[:3], num_micro_batches=4, recompute=True)
   pipe.build((BATCH, FEATURES))
@@ -460,12 +475,16 @@ def _train_towers(opt_name, mode, xs, ys, apply_with):
   return pipe
 
 
-def _expected_one_device(opt_name, xs, ys):
+@functools.lru_cache(maxsize=None)
+def _expected_one_device(opt_name):
+  """The layers trained in sequence on one device, eagerly, on `_training_data()`: the
+  reference of every pipeline and tower test with this optimizer, computed once."""
+  xs, ys = _training_data()
   reference = _make_layers(seed=8)
   _sequential(reference, xs[0])
   _copy_weights(_initial_weights(), reference)
-  return _train(lambda t: _sequential(reference, t), _variables(reference),
-                OPTIMIZERS[opt_name](), "eager", xs, ys)
+  return _frozen(_train(lambda t: _sequential(reference, t), _variables(reference),
+                        OPTIMIZERS[opt_name](), "eager", xs, ys))
 
 
 def _check_towers_trained(pipe, expected):
@@ -484,19 +503,19 @@ def _check_towers_trained(pipe, expected):
 def test_two_towers_of_two_stages_train_like_one_device(opt_name, no_thread_leak):
   xs, ys = _training_data()
   pipe = _train_towers(opt_name, "eager", xs, ys, apply_with="optimizer")
-  _check_towers_trained(pipe, _expected_one_device(opt_name, xs, ys))
+  _check_towers_trained(pipe, _expected_one_device(opt_name))
 
 
 def test_two_towers_of_two_stages_in_a_tf_function(no_thread_leak):
   xs, ys = _training_data()
   pipe = _train_towers("ds_sgd", "function", xs, ys, apply_with="merge_call")
-  _check_towers_trained(pipe, _expected_one_device("ds_sgd", xs, ys))
+  _check_towers_trained(pipe, _expected_one_device("ds_sgd"))
 
 
 def test_two_towers_diststrat_optimizer_in_a_tf_function():
   xs, ys = _training_data()
   pipe = _train_towers("ds_momentum", "function", xs, ys, apply_with="optimizer")
-  _check_towers_trained(pipe, _expected_one_device("ds_momentum", xs, ys))
+  _check_towers_trained(pipe, _expected_one_device("ds_momentum"))
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
