@@ -55,10 +55,10 @@ def _name(function):
   return function.get_concrete_function(tf.constant(1.0)).function_def.signature.name
 
 
-def _watch(behaviour, call_name, seconds, timeout=1.0):
+def _watch(behaviour, call_name, seconds, timeout=1.0, probe_after=0.2):
   """Runs a watchdog while one call named `call_name` is 'running' for `seconds`."""
   dog = _collective_watchdog.CollectiveWatchdog(PEERS, timeout, _probe(behaviour), "test",
-                                                probe_after=0.2)
+                                                probe_after=probe_after)
   dog.start()
   token = dog.started(call_name)
   deadline = time.monotonic() + seconds
@@ -88,6 +88,17 @@ def test_a_frozen_peer_is_named_at_the_timeout(aborts, frozen, timeout):
   late = dog.verdict.waited - timeout
   assert 0 <= late < 2 * _collective_watchdog._TICK, late
   assert aborts and aborts[0][1]  # As a deadline, not as an unreachable task.
+
+
+def test_dead_peers_are_named_before_a_short_timeout(aborts):
+  # With two peers and a 3 s timeout, the last round before the deadline is due at
+  # 0.75 s, before the first round (probe_after 1 s): the rounds that confirm a refusing
+  # peer must go on after it. (A version that slept until the deadline after that round
+  # blamed no one: "answers", as a CI run on a loaded machine showed.)
+  dog = _watch({PEERS[0]: "dead", PEERS[1]: "dead"}, _name(_with_a_collective), seconds=8,
+               timeout=3, probe_after=1.0)
+  assert dog.verdict.status.startswith("cannot be reached"), dog.verdict
+  assert dog.verdict.waited < 3
 
 
 def test_peers_that_answer_but_do_not_join_are_blamed_at_the_timeout(aborts):

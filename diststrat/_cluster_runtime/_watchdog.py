@@ -197,8 +197,14 @@ class StepGuard:
     """Raises `ClusterError` if a task failed since the last `clear_failure()`."""
     failure = self._failure
     if failure is not None:
-      with raw_errors():  # Blamed when it happened: later calls raise at once, no probe.
-        translated = self.translate(failure, what, record=False, blame=self._failure_blame)
+      # A task blamed as frozen is not asked again (asking one waits out the whole probe
+      # time): later calls raise at once. Any other is asked (quickly: refused, or back
+      # after a restart, which the message must say).
+      blame = self._failure_blame
+      if blame is not None and blame[1] != "does not answer":
+        blame = None
+      with raw_errors():
+        translated = self.translate(failure, what, record=False, blame=blame)
       raise translated
 
   def clear_failure(self):

@@ -113,6 +113,7 @@ class CollectiveWatchdog:
 
   def _main(self):
     last_probe, refused, statuses, final_for = 0.0, {}, {}, None
+    round_time = _PROBE_TIMEOUT * len(self.peers)  # A round of checks, at worst.
     sleep = _TICK
     while not self._stop.wait(sleep):
       sleep = _TICK
@@ -125,45 +126,42 @@ class CollectiveWatchdog:
         refused.clear()
         continue
       start = min(t for t, _ in calls)
-      waited = now - start
       deadline = start + self.timeout
-      # The last round of health checks before the deadline starts early enough to end
-      # by it, so that the verdict comes at `timeout`, not a round later.
-      final = (final_for != start and
-               now >= deadline - _PROBE_TIMEOUT * len(self.peers) - _TICK)
-      if waited < self.probe_after or (now - last_probe < _PROBE_EVERY and not final):
+      # The last round of checks before the deadline starts early enough to end by it,
+      # so that a frozen peer is named at `timeout`, not a round later. After it, rounds
+      # go on only where they end by the deadline, or to confirm a refusing peer.
+      final_start = deadline - round_time - _TICK
+      if now - start < self.probe_after:
         continue
-      last_probe = now
-      statuses = {task: self._status(task) for task in self.peers}
-      if final:
-        final_for = start
-      if self._stop.is_set() or not self._calls:
-        continue
-      failed = [t for t, s in statuses.items() if s not in ("answers", "does not answer")]
-      for task in list(refused):
-        if task not in failed:
-          del refused[task]
-      for task in failed:
-        refused[task] = refused.get(task, 0) + 1
-      confirmed = [t for t in failed if refused[t] >= 2]
-      if confirmed:
-        waited = time.monotonic() - start
-        self._abort(Verdict(confirmed[0], statuses[confirmed[0]], waited, statuses))
-        return
-      if final_for == start and time.monotonic() < deadline:
-        sleep = deadline - time.monotonic()  # Wake up at the deadline itself.
-        if self._stop.wait(max(0.0, sleep)):
-          return
-        sleep = 0.0
-        try:
-          calls = list(self._calls.values())
-        except RuntimeError:
+      if final_for != start and now >= final_start:
+        due, final_for = True, start
+      else:
+        due = now - last_probe >= _PROBE_EVERY and (
+            final_for != start or refused or now + round_time <= deadline)
+      if due:
+        last_probe = now
+        statuses = {task: self._status(task) for task in self.peers}
+        if self._stop.is_set() or not self._calls:
           continue
-        if not calls or min(t for t, _ in calls) != start:
-          continue  # That call ended meanwhile.
-      waited = time.monotonic() - start
-      if waited < self.timeout or not self._runs_collectives(calls):
+        failed = [t for t, s in statuses.items() if s not in ("answers", "does not answer")]
+        for task in list(refused):
+          if task not in failed:
+            del refused[task]
+        for task in failed:
+          refused[task] = refused.get(task, 0) + 1
+        confirmed = [t for t in failed if refused[t] >= 2]
+        if confirmed:
+          waited = time.monotonic() - start
+          self._abort(Verdict(confirmed[0], statuses[confirmed[0]], waited, statuses))
+          return
+      now = time.monotonic()
+      if now < deadline or final_for != start:
+        if final_for == start:  # Wake up at the deadline itself, or for the next round.
+          sleep = max(0.0, min(_TICK, deadline - now))
         continue
+      if not self._runs_collectives(calls):
+        continue
+      waited = now - start
       silent = [t for t, s in statuses.items() if s == "does not answer"]
       if silent:
         self._abort(Verdict(silent[0], "does not answer", waited, statuses))
