@@ -700,6 +700,39 @@ def test_a_crashed_ps_is_reported_with_its_signal(tmp_path):
   assert info.value.task == PS0
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"start_timeout": "soon"}, r"start_timeout must be a positive number of seconds. "
+                                r"Received: start_timeout='soon'"),
+    ({"start_timeout": -1}, r"start_timeout must be a positive number of seconds. Received: "
+                            r"start_timeout=-1$"),
+    ({"start_timeout": float("nan")}, r"Received: start_timeout=nan$"),
+    ({"result_timeout": 0}, r"result_timeout must be a positive number of seconds. Received: "
+                            r"result_timeout=0$"),
+    ({"strategy_kwargs": "x"}, r"strategy_kwargs must be a dict of keyword arguments for each "
+                               r"worker's strategy, such as \{'step_timeout': 10\}, or None. "
+                               r"Received: strategy_kwargs='x' \(str\)."),
+    ({"strategy_kwargs": {1: 2}}, r"Received: strategy_kwargs=\{1: 2\} \(dict\)."),
+    ({"strategy_kwargs": {"task_id": 1}}, r"strategy_kwargs cannot set task_id: LocalCluster "
+                                          r"gives each worker's strategy the cluster's spec and "
+                                          r"the worker's own task. .*Leave them out."),
+    ({"cpus_per_worker": 0}, r"cpus_per_worker must be a positive integer \(the logical CPU "
+                             r"devices, so towers, of each worker process\), or None for "
+                             r"TensorFlow's default of one. Received: cpus_per_worker=0"),
+    ({"cpus_per_worker": 1.5}, r"Received: cpus_per_worker=1.5"),
+])
+def test_local_cluster_refuses_bad_arguments_before_starting_anything(kwargs, message):
+  # Once: float('soon') and dict('x') raised ValueErrors that named no argument;
+  # start_timeout=-1 or nan started the cluster and blamed the PS for not starting in
+  # time; cpus_per_worker=0 ran with one CPU. Unmarked: starting a process fails this
+  # test (conftest.py), and no cluster is left running.
+  from diststrat.cluster import _local_cluster  # pylint: disable=import-outside-toplevel
+  running = set(_local_cluster._running_clusters)  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match=message):
+    with LocalCluster(num_ps=1, num_workers=1, **kwargs):
+      pass
+  assert set(_local_cluster._running_clusters) == running  # pylint: disable=protected-access
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_local_cluster_errors_and_cleanup(tmp_path):
