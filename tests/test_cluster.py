@@ -256,6 +256,10 @@ def _read_counter_fn(strategy):
   return int(counter.numpy())
 
 
+def _is_chief_fn(strategy):
+  return strategy.is_chief
+
+
 def _regression_data():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(64, 8)).astype(np.float32)
@@ -530,6 +534,8 @@ def test_two_workers_lose_no_update():
   with _cluster(num_workers=2) as cluster:
     finals = cluster.run_on_workers(_count_fn, n=500)
     assert cluster.run_on_workers(_read_counter_fn) == [1000, 1000]
+    # docs/launch.md: a custom loop's chief (worker 0) writes the checkpoints.
+    assert cluster.run_on_workers(_is_chief_fn) == [True, False]
   assert all(500 <= f <= 1000 for f in finals), finals
 
 

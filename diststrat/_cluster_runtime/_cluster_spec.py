@@ -15,6 +15,7 @@ from diststrat import _tf_internal
 from diststrat._cluster_runtime import _environment
 
 PS_JOB = "ps"
+WORKER_JOB = "worker"
 ROLES = ("parameter_server", "multi_worker", "server")
 """Who asks `resolve_cluster`: a worker of each strategy, or a task's server (`serve()`)."""
 
@@ -133,6 +134,23 @@ def wait_for_servers(addresses, timeout, poll=0.5):
     if not addresses or time.monotonic() + poll > deadline:
       return
     time.sleep(poll)
+
+
+def is_chief_task(cluster_spec, task_type, task_id):
+  """Whether this task is the cluster's chief: the one that writes checkpoints.
+
+  No cluster (`cluster_spec` None): True, the process is alone. In a cluster: task 0 of
+  a "chief" job if the spec has one (tf.distribute's convention), else worker task 0.
+
+  Example:
+    >>> spec = {"ps": ["a:1"], "worker": ["b:1", "b:2"]}
+    >>> [is_chief_task(spec, "worker", i) for i in (0, 1)], is_chief_task(None, None, None)
+    ([True, False], True)
+  """
+  if cluster_spec is None:
+    return True
+  chief_job = "chief" if cluster_spec.get("chief") else WORKER_JOB
+  return task_type == chief_job and task_id == 0
 
 
 class ClusterTaskMixin:
