@@ -13,6 +13,7 @@ from typing import Mapping, Optional
 from diststrat._tf import tf
 from diststrat import _tf_internal
 from diststrat._cluster_runtime import _environment
+from diststrat._cluster_runtime import _exposure
 
 PS_JOB = "ps"
 WORKER_JOB = "worker"
@@ -196,6 +197,8 @@ def resolve_cluster(cluster_spec=None, task_type=None, task_id=None, *, role: st
 
   Raises:
     ValueError: the spec or the task is not usable by `role`, naming the fix.
+    ClusterError: the spec names tasks of an isolated `LocalCluster` of this process,
+      which this process cannot reach (`_exposure.check_reachable`).
   """
   if role not in ROLES:
     raise ValueError(f"role must be one of {ROLES}. Received: role={role!r}")
@@ -211,6 +214,7 @@ def resolve_cluster(cluster_spec=None, task_type=None, task_id=None, *, role: st
   spec = _environment.checked(
       lambda: normalize_cluster_spec(cluster_spec, task_type, task_id, role),
       None if source == "arguments" else source)
+  _exposure.check_reachable(spec, task_type, task_id)
   return _environment.ClusterConfig(spec, task_type, task_id, source)
 
 

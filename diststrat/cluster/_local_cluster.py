@@ -46,6 +46,7 @@ from multiprocessing import connection
 
 from diststrat import _arguments
 from diststrat import errors
+from diststrat._cluster_runtime import _exposure
 from diststrat.cluster import _forkserver
 from diststrat.cluster import _processes
 from diststrat.cluster._processes import free_ports
@@ -407,6 +408,10 @@ class LocalCluster:
     self.stop()
     return False
 
+  def _addresses(self):
+    assert self._spec is not None  # `start` set it.
+    return [address for addresses in self._spec.values() for address in addresses]
+
   @property
   def isolated(self) -> bool:
     """Whether the cluster's processes run in a private network namespace (once started)."""
@@ -439,6 +444,8 @@ class LocalCluster:
     try:
       deadline = time.monotonic() + self._start_timeout
       self._network = self._private_network()
+      if self.isolated:  # Connecting from outside then fails at once, with the fix.
+        _exposure.register_isolated(self._addresses(), repr(self))
       self._forkserver = _fork_server(self._environment("server"), self._start_timeout)
       self._ps = [self._start_ps(i) for i in range(self.num_ps)]
       for task_id, child in enumerate(self._ps):
@@ -464,6 +471,8 @@ class LocalCluster:
     if self._forkserver is not None and self._forkserver is not _Shared.server:
       self._forkserver.close()
     self._network.close()
+    if self._spec is not None:
+      _exposure.forget_isolated(self._addresses())
     _running_clusters.discard(self)
 
   def pid(self, task_type: str, task_id: int) -> Optional[int]:
