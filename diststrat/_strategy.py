@@ -27,6 +27,20 @@ AggregationArgument = Union[str, tf.VariableAggregation]
 Destinations = Any
 """None, a device string or a list of them, a variable, or a wrapped value."""
 
+# Functions `hook(strategy)` called whenever a variable is created in a strategy's scope,
+# before the strategy creates it (`add_variable_creation_hook`).
+_variable_creation_hooks: list[Callable[[Any], None]] = []
+
+
+def add_variable_creation_hook(hook):
+  """Registers `hook(strategy)`, called when a variable is being created in the scope of
+  `strategy`, before the strategy's `_create_variable` (so from inside the code creating
+  it). A library above the core (the Keras support) uses it to learn which of its
+  objects are made in a strategy's scope. Registering a hook twice registers it once."""
+  if hook not in _variable_creation_hooks:
+    _variable_creation_hooks.append(hook)
+
+
 def _needs_cross_tower(wrapped, instance, args, kwargs):
   with instance._cross_tower_guard(wrapped.__name__):  # pylint: disable=protected-access
     return wrapped(*args, **kwargs)
@@ -427,6 +441,8 @@ class DistributionStrategy:
     return stack
 
   def _variable_creator(self, next_creator, **kwargs):
+    for hook in _variable_creation_hooks:
+      hook(self)
     return self._create_variable(next_creator, kwargs, self._colocation_target())
 
   def _run_on_devices(self, devices, fn, args, kwargs, first_arg=None):
