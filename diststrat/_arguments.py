@@ -13,6 +13,7 @@ registers Keras 3's variables).
 
 import enum
 import numbers
+import typing
 from typing import Any, Callable
 
 from diststrat._tf import tf
@@ -157,51 +158,124 @@ def check_callable(method, name, value):
 
 def _is_numeric(dtype):
   dtype = tf.as_dtype(dtype).base_dtype
-  return dtype.is_floating or dtype.is_integer or dtype.is_complex or dtype.is_bool
+  return dtype.is_floating or dtype.is_integer or dtype.is_complex
+
+
+def _dtype_of(value):
+  """The dtype of a tensor, variable or array; "python" for a Python number; else None."""
+  if isinstance(value, (tf.Tensor, tf.Variable)):
+    return value.dtype
+  if isinstance(value, (bool, numbers.Number)):
+    return tf.bool if isinstance(value, bool) else "python"
+  dtype = getattr(value, "dtype", None)
+  if dtype is None or not hasattr(value, "shape"):
+    return None
+  return dtype
 
 
 def check_reducible(method, value, wrapped_type):
   """Raises `TypeError` unless `value` is a value `method` can combine across towers.
 
   Accepted: a wrapped value (`wrapped_type`: per-tower values, a mirrored value or
-  variable), a numeric tensor or variable, `tf.IndexedSlices`, a Python or numpy number
-  or numeric array. Strings and other objects are refused at the call.
+  variable) whose components are numeric, a numeric (float, integer or complex) tensor
+  or variable, `tf.IndexedSlices`, a Python or numpy number or numeric array. Strings,
+  booleans and other objects are refused at the call, in every strategy (the default
+  strategy, which returns the value unchanged, too).
   """
-  if isinstance(value, (wrapped_type, tf.IndexedSlices)):
+  if isinstance(value, tf.IndexedSlices):
     return value
-  if isinstance(value, (tf.Tensor, tf.Variable)):
-    dtype = value.dtype
-  elif isinstance(value, (bool, numbers.Number)):
+  if isinstance(value, wrapped_type):
+    for component in value.values:
+      if _dtype_of(component) is not None:
+        _check_numeric(method, value, component)
     return value
-  else:
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not hasattr(value, "shape"):
-      dtype = None
+  _check_numeric(method, value, value)
+  return value
+
+
+def _check_numeric(method, value, leaf):
+  dtype = _dtype_of(leaf)
+  if dtype == "python":
+    return
   try:
     numeric = dtype is not None and _is_numeric(dtype)
   except TypeError:
     numeric = False
-  if not numeric:
-    received = repr(value)
-    received = received if len(received) <= 80 else received[:77] + "..."
-    raise TypeError(
-        f"{method}() combines numbers across towers: it takes per-tower values (what "
-        "call_for_each_tower returns), a numeric tensor or variable, or a structure of "
-        f"them. Received: {received} ({type(value).__name__}"
-        f"{', dtype ' + tf.as_dtype(dtype).name if dtype is not None else ''}). Reduce "
-        "the tensors your towers compute, such as losses or gradients.")
-  return value
+  if numeric:
+    return
+  dtype_name = tf.as_dtype(dtype).name if dtype is not None else None
+  fix = ("Reduce the tensors your towers compute, such as losses or gradients.")
+  if dtype_name == "bool":
+    fix = ("Booleans cannot be summed or averaged: cast them first, such as "
+           "tf.cast(value, tf.int32) to count the towers where it is True, or "
+           "tf.cast(value, tf.float32).")
+  raise TypeError(
+      f"{method}() combines numbers across towers: it takes per-tower values (what "
+      "call_for_each_tower returns) of a float, integer or complex dtype, a numeric tensor "
+      f"or variable, or a structure of them. Received: {_short_repr(value)} "
+      f"({type(value).__name__}{', dtype ' + dtype_name if dtype_name else ''}). {fix}")
 
 
-def check_variable(method, value):
-  """Returns `value` as a TensorFlow variable (a Keras variable's own), else raises."""
+def _short_repr(value, limit=80):
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_value_destination_pairs(method, value):
+  """`value` as a list of 2-item (value, destinations) pairs, else raises `ValueError`.
+
+  `method` is the public method refusing it ("batch_reduce"). A list or tuple of pairs
+  (or an iterator over them, such as a `zip`) is taken; anything else, such as the
+  per-tower value itself, is refused with the fix.
+
+  Example:
+    >>> check_value_destination_pairs("batch_reduce", 3.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: batch_reduce() takes value_destination_pairs, a list of (value, destinations) pairs such as [(per_tower, None)]. Received: value_destination_pairs=3.0 (float). To reduce one value, call reduce(aggregation, value, destinations).
+  """
+  if isinstance(value, (list, tuple)) or (
+      isinstance(value, typing.Iterator) and not isinstance(value, (str, bytes))):
+    pairs = list(value)
+  else:
+    raise ValueError(
+        f"{method}() takes value_destination_pairs, a list of (value, destinations) pairs "
+        f"such as [(per_tower, None)]. Received: value_destination_pairs="
+        f"{_short_repr(value)} ({type(value).__name__}). To reduce one value, call "
+        "reduce(aggregation, value, destinations).")
+  for i, pair in enumerate(pairs):
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+      raise ValueError(
+          f"{method}() takes value_destination_pairs, a list of (value, destinations) "
+          f"pairs such as [(per_tower, None)]. Received: value_destination_pairs[{i}]="
+          f"{_short_repr(pair)} ({type(pair).__name__}). Pair each value with its "
+          "destinations (None for the default).")
+  return pairs
+
+
+_VARIABLE_FIXES = {
+    "update": ("To compute with a value, do it in the towers or in cross-tower code "
+               "directly; update() is for writing a variable on each device that holds it."),
+    "read_var": ("A tensor is already a value: use it directly; read_var() is for reading "
+                 "a variable (a tower-local one aggregated over the towers)."),
+}
+
+
+def check_variable(method, value, name="var"):
+  """Returns `value` as a TensorFlow variable (a Keras variable's own), else raises.
+
+  Example:
+    >>> check_variable("read_var", "x", name="v")
+    Traceback (most recent call last):
+    ...
+    TypeError: read_var() takes a variable as v (a tf.Variable, a Keras variable, or one created in the strategy's scope). Received: v='x' (str). A tensor is already a value: use it directly; read_var() is for reading a variable (a tower-local one aggregated over the towers).
+  """
   variable = as_tf_variable(value)
   if not isinstance(variable, tf.Variable):
     raise TypeError(
-        f"{method}() takes a variable (tf.Variable, a Keras variable, or one created in "
-        f"the strategy's scope). Received: {value!r} ({type(value).__name__}). To compute "
-        "with a value, do it in the towers or in cross-tower code directly; update() is "
-        "for writing a variable on each device that holds it.")
+        f"{method}() takes a variable as {name} (a tf.Variable, a Keras variable, or one "
+        f"created in the strategy's scope). Received: {name}={_short_repr(value)} "
+        f"({type(value).__name__}). {_VARIABLE_FIXES.get(method, '')}".rstrip())
   return variable
 
 

@@ -305,6 +305,14 @@ class TowerContext:
     Raises:
       RuntimeError: this `TowerContext` is not the current one of this thread.
     """
+    if get_tower_context() is None:
+      raise errors.ContextError(
+          "merge_call() needs a tower context: it pauses the towers that "
+          "call_for_each_tower runs. It was called on the TowerContext of tower "
+          f"{self._tower_id} of {self._strategy!r} in {describe_current_context()}, "
+          "where there are no towers to pause (and get_tower_context() is None). Call "
+          "merge_call() from the function you pass to strategy.call_for_each_tower(fn), "
+          "or, in cross-tower code, call merge_fn(strategy, *args) directly.")
     if get_tower_context() is not self:
       raise errors.ContextError(
           f"merge_call() was called on the TowerContext of tower {self._tower_id} "

@@ -27,6 +27,20 @@ AggregationArgument = Union[str, tf.VariableAggregation]
 Destinations = Any
 """None, a device string or a list of them, a variable, or a wrapped value."""
 
+# Functions `hook(strategy)` called whenever a variable is created in a strategy's scope,
+# before the strategy creates it (`add_variable_creation_hook`).
+_variable_creation_hooks: list[Callable[[Any], None]] = []
+
+
+def add_variable_creation_hook(hook):
+  """Registers `hook(strategy)`, called when a variable is being created in the scope of
+  `strategy`, before the strategy's `_create_variable` (so from inside the code creating
+  it). A library above the core (the Keras support) uses it to learn which of its
+  objects are made in a strategy's scope. Registering a hook twice registers it once."""
+  if hook not in _variable_creation_hooks:
+    _variable_creation_hooks.append(hook)
+
+
 def _needs_cross_tower(wrapped, instance, args, kwargs):
   with instance._cross_tower_guard(wrapped.__name__):
     return wrapped(*args, **kwargs)
@@ -85,6 +99,35 @@ class _StrategyScope:
       # explain it); it is never suppressed.
       stack.__exit__(exc_type, exc, tb)
     return False
+
+
+def _static_rank(component):
+  shape = getattr(component, "shape", None)
+  if shape is None:
+    return 0 if isinstance(component, (int, float, complex)) else None
+  try:
+    return tf.TensorShape(shape).rank
+  except (TypeError, ValueError):
+    return None
+
+
+def _check_gather_axis(axis, components):
+  """Raises `ValueError` unless `axis` is an axis of the gathered components' rank.
+
+  Scalars are stacked into a vector, which has axis 0 (or -1). Unknown ranks pass: the
+  concatenation then checks at run time.
+  """
+  ranks = [_static_rank(c) for c in components]
+  if not ranks or any(r is None for r in ranks):
+    return
+  rank = max(max(ranks), 1)  # Scalars become a vector.
+  if not -rank <= axis < rank:
+    shapes = ", ".join(str(tf.TensorShape(getattr(c, "shape", ()))) for c in components[:4])
+    raise ValueError(
+        f"gather() concatenates along an axis of the towers' values, which have rank "
+        f"{max(ranks)} (shapes {shapes}{', ...' if len(components) > 4 else ''}): axis "
+        f"must be from {-rank} to {rank - 1}. Received: axis={axis}. Pass an axis the "
+        "values have (axis=0 concatenates the towers' batches).")
 
 
 class DistributionStrategy:
@@ -190,11 +233,8 @@ class DistributionStrategy:
     aggregation = canonical_aggregation(aggregation)
     values: list[tuple[Any, int]] = []
     pairs: list[tuple[Any, Any]] = []
-    for i, pair in enumerate(value_destination_pairs):
-      if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-        raise ValueError(
-            "batch_reduce() takes a list of (value, destinations) pairs. Received: item "
-            f"{i} = {pair!r}")
+    for pair in _arguments.check_value_destination_pairs("batch_reduce",
+                                                        value_destination_pairs):
       destinations = _wrapped.resolve_destinations(pair[1], self._default_destinations)
       leaves = _wrapped.flatten(pair[0]) if _wrapped.is_structure(pair[0]) else [pair[0]]
       for leaf in leaves:
@@ -263,7 +303,7 @@ class DistributionStrategy:
   @cross_tower_method
   def read_var(self, v: Any) -> Any:
     """The value of variable `v`; a tower-local variable gives its aggregated value."""
-    return self._read_var(as_tf_variable(v))
+    return self._read_var(_arguments.check_variable("read_var", v, name="v"))
 
   @cross_tower_method
   def unwrap(self, value: Any) -> list[Any]:
@@ -300,9 +340,13 @@ class DistributionStrategy:
     axis = _arguments.check_int("axis", axis)
     destinations = _wrapped.resolve_destinations(destinations, default=None)  # No copy.
     if not _wrapped.is_structure(value):
+      _check_gather_axis(axis, self._unwrap(as_tf_variable(value)))
       return self._gather(value, axis, destinations)
+    leaves = _wrapped.flatten(value)
+    for leaf in leaves:
+      _check_gather_axis(axis, self._unwrap(as_tf_variable(leaf)))
     return _wrapped.pack_as(value, [self._gather(leaf, axis, destinations)
-                                    for leaf in _wrapped.flatten(value)])
+                                    for leaf in leaves])
 
   @property
   def num_towers(self) -> int:
@@ -397,6 +441,8 @@ class DistributionStrategy:
     return stack
 
   def _variable_creator(self, next_creator, **kwargs):
+    for hook in _variable_creation_hooks:
+      hook(self)
     return self._create_variable(next_creator, kwargs, self._colocation_target())
 
   def _run_on_devices(self, devices, fn, args, kwargs, first_arg=None):

@@ -64,9 +64,9 @@ def test_update_needs_a_variable_and_a_callable():
   s = ds.MirroredStrategy(CPUS[:2])
   with s.scope():
     v = tf.Variable(1.0)
-    with pytest.raises(TypeError, match=r"update\(\) takes a variable \(tf.Variable, a Keras "
-                       r"variable, or one created in the strategy's scope\). Received: "
-                       r"<tf.Tensor.*\(EagerTensor\)"):
+    with pytest.raises(TypeError, match=r"update\(\) takes a variable as var \(a tf.Variable, a "
+                       r"Keras variable, or one created in the strategy's scope\). Received: "
+                       r"var=<tf.Tensor.*\(EagerTensor\)"):
       s.update(tf.constant(1.0), lambda c: c)
     with pytest.raises(TypeError, match=r"update\(\) takes a callable as fn, such as a "
                        r"function or a lambda. Received: fn=5 \(int\)"):
@@ -142,3 +142,96 @@ def test_multi_worker_refuses_duplicate_workers_before_starting_a_server():
   with pytest.raises(ValueError, match=r"Received: '127.0.0.1:5' for both "
                      r"/job:worker/replica:0/task:0 and /job:worker/replica:0/task:1"):
     ds.MultiWorkerMirroredStrategy(cluster_spec={"worker": ["127.0.0.1:5", "127.0.0.1:5"]})
+
+
+def test_mirrored_refuses_a_cross_tower_ops_that_is_not_one():
+  # Once accepted, then AttributeError ('str' object has no attribute ...) at the first reduce.
+  with pytest.raises(TypeError, match=r"cross_tower_ops must be a diststrat.cross_tower_ops."
+                     r"CrossTowerOps \(such as AllReduceCrossTowerOps\(\"naive\"\) or "
+                     r"ReductionToOneDevice\(\)\), or None to choose one by measurement. "
+                     r"Received: cross_tower_ops='nccl' \(str\). For an all-reduce algorithm "
+                     r"by name, pass AllReduceCrossTowerOps\('nccl'\)."):
+    ds.MirroredStrategy(CPUS[:2], cross_tower_ops="nccl")
+  with pytest.raises(TypeError, match=r"Received: cross_tower_ops=<class .*AllReduceCrossTowerOps"
+                     r".*\(type\)\.$"):
+    ds.MirroredStrategy(CPUS[:2], cross_tower_ops=ds.cross_tower_ops.AllReduceCrossTowerOps)
+  ops = ds.cross_tower_ops.AllReduceCrossTowerOps("naive")
+  assert ds.MirroredStrategy(CPUS[:2], cross_tower_ops=ops).cross_tower_ops is ops
+
+
+def _run(mode, fn):
+  return tf.function(fn)() if mode == "function" else fn()
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_batch_reduce_refuses_what_is_not_a_list_of_pairs(mode):
+  # Once: TypeError: 'PerDevice' object is not iterable.
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    with pytest.raises(ValueError, match=r"batch_reduce\(\) takes value_destination_pairs, a "
+                       r"list of \(value, destinations\) pairs such as \[\(per_tower, None\)\]. "
+                       r"Received: value_destination_pairs=PerDevice\(.*\(PerDevice\). To "
+                       r"reduce one value, call reduce\(aggregation, value, destinations\)."):
+      _run(mode, lambda: s.batch_reduce(
+          "sum", s.call_for_each_tower(lambda: tf.constant(1.0))))
+    with pytest.raises(ValueError, match=r"Received: value_destination_pairs\[1\]=3.0 \(float\)."
+                       r" Pair each value with its destinations \(None for the default\)."):
+      _run(mode, lambda: s.batch_reduce("sum", [(1.0, None), 3.0]))
+    pairs = zip([s.call_for_each_tower(lambda: tf.constant(2.0))], [None], strict=True)
+    assert float(_run(mode, lambda: s.batch_reduce("sum", pairs)[0].primary)) == 4.0
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("axis", [2, 5, -3])
+def test_gather_refuses_an_axis_the_values_do_not_have(mode, axis):
+  # Once: TensorFlow's InvalidArgumentError from ConcatV2.
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    per_tower = s.call_for_each_tower(lambda: tf.ones([2, 3]))
+    with pytest.raises(ValueError, match=r"gather\(\) concatenates along an axis of the towers' "
+                       r"values, which have rank 2 \(shapes \(2, 3\), \(2, 3\)\): axis must be "
+                       rf"from -2 to 1. Received: axis={axis}. Pass an axis the values have"):
+      _run(mode, lambda: s.gather(per_tower, axis=axis))
+    with pytest.raises(ValueError, match=r"rank 0 .*axis must be from -1 to 0. Received: axis=1"):
+      _run(mode, lambda: s.gather({"n": s.call_for_each_tower(lambda: tf.constant(1.0))},
+                                  axis=1))
+    assert _run(mode, lambda: s.gather(per_tower, axis=-1)).shape == (2, 6)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mirrored", [True, False])
+@pytest.mark.parametrize("value, shown", [("x", r"'x' \(str\)"),
+                                          (tf.constant(1.0), r"<tf.Tensor.*\((EagerTensor|"
+                                                             r"SymbolicTensor|Tensor)\)")])
+def test_read_var_needs_a_variable(mode, mirrored, value, shown):
+  # Once: AttributeError: 'str' object has no attribute 'read_value'.
+  s = ds.MirroredStrategy(CPUS[:2]) if mirrored else ds.get_distribution_strategy()
+  with s.scope(), pytest.raises(
+      TypeError, match=r"read_var\(\) takes a variable as v \(a tf.Variable, a Keras variable, "
+      r"or one created in the strategy's scope\). Received: v=" + shown + r". A tensor is "
+      r"already a value: use it directly"):
+    _run(mode, lambda: s.read_var(value))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_reduce_refuses_booleans_in_every_strategy(mode):
+  # Once: TensorFlow's raw TypeError from AddN under Mirrored, and the tensor returned
+  # unchanged by the default strategy.
+  message = (r"reduce\(\) combines numbers across towers: it takes per-tower values \(what "
+             r"call_for_each_tower returns\) of a float, integer or complex dtype, .*"
+             r"dtype bool\). Booleans cannot be summed or averaged: cast them first, such as "
+             r"tf.cast\(value, tf.int32\)")
+  mirrored = ds.MirroredStrategy(CPUS[:2])
+  with mirrored.scope():
+    with pytest.raises(TypeError, match=message):
+      _run(mode, lambda: mirrored.reduce(
+          "sum", mirrored.call_for_each_tower(lambda: tf.constant(True))))
+    with pytest.raises(TypeError, match=message):
+      _run(mode, lambda: mirrored.batch_reduce("mean", [(tf.constant([True]), None)]))
+    with pytest.raises(TypeError, match=message):
+      _run(mode, lambda: mirrored.reduce("sum", {"ok": 1.0, "flag": True}))
+  default = ds.get_distribution_strategy()
+  with pytest.raises(TypeError, match=message):
+    _run(mode, lambda: default.reduce("sum", tf.constant(True)))
+  counted = _run(mode, lambda: default.reduce("sum", tf.cast(tf.constant(True), tf.int32)))
+  assert int(counted) == 1

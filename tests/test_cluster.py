@@ -257,6 +257,10 @@ def _read_counter_fn(strategy):
   return int(counter.numpy())
 
 
+def _is_chief_fn(strategy):
+  return strategy.is_chief
+
+
 def _regression_data():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(64, 8)).astype(np.float32)
@@ -556,6 +560,8 @@ def test_two_workers_lose_no_update():
   with _cluster(num_workers=2) as cluster:
     finals = cluster.run_on_workers(_count_fn, n=500)
     assert cluster.run_on_workers(_read_counter_fn) == [1000, 1000]
+    # docs/launch.md: a custom loop's chief (worker 0) writes the checkpoints.
+    assert cluster.run_on_workers(_is_chief_fn) == [True, False]
   assert all(500 <= f <= 1000 for f in finals), finals
 
 
@@ -724,6 +730,39 @@ def test_a_crashed_ps_is_reported_with_its_signal(tmp_path):
   notes = "".join(info.value.__notes__)
   assert f"(parameter server task {PS0} was killed by signal SIGSEGV (exit status -11)" in notes
   assert info.value.task == PS0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"start_timeout": "soon"}, r"start_timeout must be a positive number of seconds. "
+                                r"Received: start_timeout='soon'"),
+    ({"start_timeout": -1}, r"start_timeout must be a positive number of seconds. Received: "
+                            r"start_timeout=-1$"),
+    ({"start_timeout": float("nan")}, r"Received: start_timeout=nan$"),
+    ({"result_timeout": 0}, r"result_timeout must be a positive number of seconds. Received: "
+                            r"result_timeout=0$"),
+    ({"strategy_kwargs": "x"}, r"strategy_kwargs must be a dict of keyword arguments for each "
+                               r"worker's strategy, such as \{'step_timeout': 10\}, or None. "
+                               r"Received: strategy_kwargs='x' \(str\)."),
+    ({"strategy_kwargs": {1: 2}}, r"Received: strategy_kwargs=\{1: 2\} \(dict\)."),
+    ({"strategy_kwargs": {"task_id": 1}}, r"strategy_kwargs cannot set task_id: LocalCluster "
+                                          r"gives each worker's strategy the cluster's spec and "
+                                          r"the worker's own task. .*Leave them out."),
+    ({"cpus_per_worker": 0}, r"cpus_per_worker must be a positive integer \(the logical CPU "
+                             r"devices, so towers, of each worker process\), or None for "
+                             r"TensorFlow's default of one. Received: cpus_per_worker=0"),
+    ({"cpus_per_worker": 1.5}, r"Received: cpus_per_worker=1.5"),
+])
+def test_local_cluster_refuses_bad_arguments_before_starting_anything(kwargs, message):
+  # Once: float('soon') and dict('x') raised ValueErrors that named no argument;
+  # start_timeout=-1 or nan started the cluster and blamed the PS for not starting in
+  # time; cpus_per_worker=0 ran with one CPU. Unmarked: starting a process fails this
+  # test (conftest.py), and no cluster is left running.
+  from diststrat.cluster import _local_cluster  # pylint: disable=import-outside-toplevel
+  running = set(_local_cluster._running_clusters)  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match=message):
+    with LocalCluster(num_ps=1, num_workers=1, **kwargs):
+      pass
+  assert set(_local_cluster._running_clusters) == running  # pylint: disable=protected-access
 
 
 @pytest.mark.processes

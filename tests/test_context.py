@@ -196,7 +196,9 @@ def test_tower_context_used_outside_its_tower_raises():
   contexts = []
   with s.scope():
     s.call_for_each_tower(lambda: contexts.append(ds.get_tower_context()))
-    with pytest.raises(RuntimeError, match=r"from outside that tower.*get_tower_context\(\)"):
+    with pytest.raises(RuntimeError, match=r"merge_call\(\) needs a tower context.*Call "
+                       r"merge_call\(\) from the function you pass to strategy."
+                       r"call_for_each_tower\(fn\)"):
       contexts[0].merge_call(lambda st: None)
 
     def fn():
@@ -205,6 +207,36 @@ def test_tower_context_used_outside_its_tower_raises():
         contexts[0].merge_call(lambda st: None)
     with pytest.raises(RuntimeError, match="TowerContext of tower 0"):
       s.call_for_each_tower(fn)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_merge_call_from_the_cross_tower_context_names_call_for_each_tower(mode):
+  # Once: the message told to call merge_call on get_tower_context(), which is None there.
+  s = ds.MirroredStrategy(CPUS[:2])
+  default_tower = ds.get_tower_context()
+  message = (r"merge_call\(\) needs a tower context: it pauses the towers that "
+             r"call_for_each_tower runs. It was called on the TowerContext of tower {} of {} "
+             r"in the cross-tower context of MirroredStrategy.*, where there are no towers to "
+             r"pause \(and get_tower_context\(\) is None\). Call merge_call\(\) from the "
+             r"function you pass to strategy.call_for_each_tower\(fn\), or, in cross-tower "
+             r"code, call merge_fn\(strategy, \*args\) directly.")
+
+  def run(fn):
+    return tf.function(fn)() if mode == "function" else fn()
+
+  with s.scope():
+    with pytest.raises(ds.errors.ContextError,
+                       match=message.format(0, r"DefaultStrategy\(\)")):
+      run(lambda: default_tower.merge_call(lambda strategy: 1.0))
+
+    def tower_fn():
+      tower = ds.get_tower_context()
+      # merge_fn runs in the cross-tower context: the tower's context cannot merge again.
+      return tower.merge_call(lambda strategy: tower.merge_call(lambda st: 1.0))
+
+    with pytest.raises(ds.errors.ContextError,
+                       match=message.format(r"\d", r"MirroredStrategy.*")):
+      run(lambda: s.call_for_each_tower(tower_fn))
 
 
 def test_get_update_device():

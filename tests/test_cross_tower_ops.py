@@ -502,10 +502,12 @@ def test_bad_aggregation():
 def test_bad_arguments():
   ops = ReductionToOneDevice()
   value = _per_device(_values((2,), np.float32, 2, seed=10), CPUS[:2])
-  with pytest.raises(ValueError, match="batch_reduce.. takes a list of .value, destinations. "
-                     "pairs. Received: value_destination_pairs="):
+  with pytest.raises(ValueError, match=r"batch_reduce\(\) takes value_destination_pairs, a "
+                     r"list of \(value, destinations\) pairs such as \[\(per_tower, None\)\]. "
+                     r"Received: value_destination_pairs=PerDevice.*\(PerDevice\). To reduce "
+                     r"one value, call reduce\(aggregation, value, destinations\)."):
     ops.batch_reduce("sum", value)
-  with pytest.raises(ValueError, match=r"Received: item 0 = "):
+  with pytest.raises(ValueError, match=r"Received: value_destination_pairs\[0\]=PerDevice"):
     ops.batch_reduce("sum", [value])
   with pytest.raises(ValueError, match=r"destinations must be None, a device string"):
     ops.reduce("sum", value, destinations=[])

@@ -269,16 +269,48 @@ def test_model_built_outside_the_scope_is_refused(name):
       model.fit(x, y, batch_size=24, epochs=1, verbose=0)
 
 
-def test_optimizer_created_outside_the_scope_is_refused():
+@pytest.mark.parametrize("optimizer, name", [("sgd", "SGD"), ("adam", "Adam")])
+def test_optimizer_created_outside_the_scope_is_refused(optimizer, name):
+  # With "adam" this was TensorFlow's "Mixing different tf.distribute.Strategy objects"
+  # (Keras builds Adam's slots before the first step), naming no model and no fix.
   x, y = _data()
   with STRATEGIES["mirrored2"]().scope():
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
-  model.compile(optimizer="sgd", loss="mse")  # Outside: the optimizer misses the strategy.
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)],
+                             name="built_inside")
+  model.compile(optimizer=optimizer, loss="mse")  # Outside: it misses the strategy.
   with pytest.raises(ds.errors.ContextError,
-                     match=r"so its optimizer must be created in that strategy's scope. "
-                           r"Received: an optimizer created outside it \(SGD\). Create the "
-                           r"optimizer and compile the model inside"):
+                     match=r"The Keras model 'built_inside' runs under MirroredStrategy.*, "
+                           r"so its optimizer must be created in that strategy's scope. "
+                           rf"Received: an optimizer created outside it \({name}\). Create "
+                           r"the optimizer and compile the model inside `with "
+                           r"strategy.scope\(\):`."):
     model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("optimizer, name", [("sgd", "SGD"), ("adam", "Adam")])
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_model_built_outside_compiled_inside_fit_outside_is_refused(optimizer, name,
+                                                                    run_eagerly):
+  # Once: with "sgd", fit trained silently on one device; with "adam", the error named
+  # colocate_vars_with() and no model.
+  x, y = _data()
+  strategy = STRATEGIES["mirrored2"]()
+  model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)],
+                           name="built_outside")
+  before = [w.copy() for w in model.get_weights()]
+  with strategy.scope():
+    model.compile(optimizer=optimizer, loss="mse", run_eagerly=run_eagerly)
+  with pytest.raises(ds.errors.ContextError,
+                     match=r"The Keras model 'built_outside' was built outside the scope of "
+                           rf"MirroredStrategy.*, but its optimizer \({name}\) was created in "
+                           r"it \(compile\(\) ran inside `with strategy.scope\(\):`\), and it "
+                           r"runs in the default tower context \(no strategy entered\): the "
+                           r"model would train on one device while its optimizer belongs to "
+                           r"the strategy. Build the model inside `with strategy.scope\(\):` "
+                           r"too"):
+    model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+  for got, expected in zip(model.get_weights(), before, strict=True):
+    np.testing.assert_array_equal(got, expected)  # Nothing was trained.
 
 
 def test_sparse_inputs_say_what_to_do():

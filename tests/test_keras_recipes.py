@@ -147,6 +147,72 @@ def test_mixed_float16_equals_one_device(strategy_name):
   np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=2e-3)
 
 
+def _custom_loop_with_loss_scaling(strategy, policy, data, epochs=2):
+  """A custom training loop (tower function, tf.function step) with Keras's
+  LossScaleOptimizer: each tower scales its part of the mean loss, takes the gradient of
+  the scaled loss, and calls apply_gradients. The model and optimizer are made in the
+  scope (the default strategy's for the reference)."""
+  x, y = data
+  weights = _model(lambda: keras.optimizers.SGD(0.1)).get_weights()
+  with strategy.scope(), _policy(policy):
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([
+        keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(2, dtype="float32")])
+    model.set_weights(weights)
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    batches = strategy.distribute_dataset(
+        lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+
+  def tower_step(xb, yb):
+    with tf.GradientTape() as tape:
+      errors = tf.square(tf.cast(model(xb, training=True), tf.float32) - yb)
+      loss = tf.reduce_sum(errors) / (BATCH * 2)  # This tower's part of the batch mean.
+      scaled = optimizer.scale_loss(loss)
+    grads = tape.gradient(scaled, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+    return loss
+
+  @tf.function
+  def step(xb, yb):
+    return strategy.reduce("sum", strategy.call_for_each_tower(tower_step, xb, yb))
+
+  losses = []
+  with strategy.scope():
+    for _ in range(epochs):
+      for xb, yb in batches:
+        losses.append(float(_first(step(xb, yb))))
+  return model, optimizer, losses
+
+
+def _first(value):
+  return value.values[0] if isinstance(value, ds.values.DistributedValues) else value
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+@pytest.mark.parametrize("strategy_name", ["mirrored4", "ps4"])
+def test_loss_scale_optimizer_in_a_custom_loop_equals_one_device(strategy_name, policy):
+  """Keras's LossScaleOptimizer in a custom loop's towers (tf.function steps), as
+  tf.distribute runs it: equal to the default strategy with the same optimizer.
+
+  Once: ContextError (its tf.cond called merge_call in a tower tracing the step); only
+  fit's optimizer was routed to one apply on the summed gradients.
+  """
+  data = _data(40)
+  reference, ref_optimizer, ref_losses = _custom_loop_with_loss_scaling(
+      ds.get_distribution_strategy(), policy, data)
+  model, optimizer, losses = _custom_loop_with_loss_scaling(
+      STRATEGIES[strategy_name](), policy, data)
+  initial = _model(lambda: keras.optimizers.SGD(0.1)).get_weights()
+  assert not np.allclose(reference.get_weights()[0], initial[0])  # It trained.
+  tolerance = dict(rtol=1e-3, atol=2e-4) if policy == "mixed_float16" else {}
+  assert_all_close(model.get_weights(), reference.get_weights(), **tolerance)
+  assert float(optimizer.dynamic_scale.numpy()) == float(ref_optimizer.dynamic_scale.numpy())
+  assert int(optimizer.iterations.numpy()) == int(ref_optimizer.iterations.numpy()) == 8
+  assert_copies_equal(model.weights + list(optimizer.variables))
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-3 if tolerance else 1e-5)
+
+
 def test_mixed_float16_skips_a_step_with_non_finite_gradients_in_one_tower():
   """A gradient that overflows in one tower makes the summed one non-finite: the step is
   skipped and the loss scale halves on every copy, as on one device."""

@@ -336,6 +336,27 @@ def test_tf_config_comes_before_slurm():
     cluster_from_environment({"TF_CONFIG": "{\"cluster\": 1}"})
 
 
+@pytest.mark.parametrize("task, match", [
+    ({"type": "worker", "index": -1},
+     r"TF_CONFIG's task index must be an index into its cluster's 'worker' job, from 0 to 1. "
+     r"Received: index=-1 in TF_CONFIG='.*'. Fix the TF_CONFIG the launcher sets "
+     r"\(diststrat-run sets one per task\)."),
+    ({"type": "worker", "index": 2}, r"from 0 to 1. Received: index=2 in TF_CONFIG="),
+    ({"type": "chief", "index": 0},
+     r"TF_CONFIG's task type must be a job of its cluster, one of \['worker'\]. Received: "
+     r"type='chief' in TF_CONFIG='.*'. Fix the TF_CONFIG the launcher sets"),
+])
+def test_tf_config_naming_a_task_outside_its_cluster_is_refused(monkeypatch, task, match):
+  # Once: the task index -1 was returned as it was (a negative task id).
+  tf_config = json.dumps({"cluster": {"worker": ["a:1", "b:2"]}, "task": task})
+  with pytest.raises(ValueError, match=match):
+    cluster_from_environment({"TF_CONFIG": tf_config})
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("TF_CONFIG", tf_config)
+  with pytest.raises(ValueError, match=match):
+    ds.MultiWorkerMirroredStrategy()  # Refused before a server starts.
+
+
 _PS_CLUSTER = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
 
 
@@ -347,7 +368,8 @@ _PS_CLUSTER = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
      r"ParameterServerStrategy\(\) read its cluster from the TF_CONFIG environment "
      r"variable, which names no parameter server.*launch with diststrat-run --ps 1"),
     ({**_PS_CLUSTER, "worker": ["127.0.0.1:2"]}, {"type": "worker", "index": 3},
-     r"task_id must be an index into cluster_spec\['worker'\], from 0 to 0"),
+     r"TF_CONFIG's task index must be an index into its cluster's 'worker' job, from 0 to "
+     r"0. Received: index=3"),
 ])
 def test_parameter_server_strategy_rejects_a_tf_config_it_cannot_use(
     monkeypatch, cluster, task, match):

@@ -147,3 +147,16 @@ def test_towers_match_one_device(name, sparse, mode):
   np.testing.assert_allclose(emb.numpy(), expected_emb, rtol=2e-5, atol=2e-6)
   np.testing.assert_allclose(w.numpy(), expected_w, rtol=2e-5, atol=2e-6)
   assert int(step_var.numpy()) == steps
+
+
+def test_is_chief_as_in_multi_worker():
+  # docs/launch.md tells custom loops to write checkpoints `if strategy.is_chief`; it was
+  # an AttributeError under ParameterServerStrategy. One process: the chief.
+  # (tests/test_cluster.py checks worker 0 and worker 1 of a cluster.)
+  assert _strategy().is_chief is True
+  from diststrat._cluster_runtime import _cluster_spec  # pylint: disable=import-outside-toplevel
+  spec = {"ps": ["a:1"], "worker": ["b:1", "b:2"]}
+  assert [_cluster_spec.is_chief_task(spec, "worker", i) for i in (0, 1)] == [True, False]
+  with_chief = dict(spec, chief=["c:1"])
+  assert _cluster_spec.is_chief_task(with_chief, "chief", 0)
+  assert not _cluster_spec.is_chief_task(with_chief, "worker", 0)

@@ -48,8 +48,29 @@ def test_a_local_cluster_is_unreachable_from_outside_it():
     address = cluster.cluster_spec["ps"][0]
     [outcome] = _tf_internal.probe_tf_server([address], timeout=5)
     assert outcome is not None and outcome.startswith("cannot be reached"), outcome
+    # Connecting from this process, outside the namespace, is refused at once with the
+    # fix, by both cluster strategies (it was "cannot be reached ... Start the task(s) (or
+    # fix cluster_spec)" after the probe), before any server or connection is made.
+    spec = cluster.cluster_spec
+    isolated = (r"The cluster_spec names /job:{job}/replica:0/task:0 at {address}, a task of "
+                r"LocalCluster\(num_ps=1, num_workers=2, running\), which runs isolated in a "
+                r"private network namespace: no process outside it, this one included "
+                r"\(worker task {task} would connect from here\), can reach its tasks. Run "
+                r"the workers' code inside the cluster with cluster.run_on_workers\(fn\), or "
+                r"create it with LocalCluster\(..., isolate=False\) to connect from this "
+                r"process")
+    with pytest.raises(ds.errors.ClusterError, match=isolated.format(
+        job="ps", address=spec["ps"][0], task=1)) as info:
+      ds.ParameterServerStrategy(cluster_spec=spec, task_type="worker", task_id=1,
+                                 step_timeout=5)
+    assert info.value.task == "/job:ps/replica:0/task:0"
+    localhost = "localhost:" + spec["worker"][0].rsplit(":", 1)[1]
+    with pytest.raises(ds.errors.ClusterError, match=isolated.format(
+        job="worker", address=localhost, task=0)):
+      ds.MultiWorkerMirroredStrategy(cluster_spec={"worker": [localhost, spec["worker"][1]]})
     # Inside, the cluster works: both workers share the PS's counter.
     assert sorted(cluster.run_on_workers(_count_fn, n=5))[-1] == 10.0
+  assert _exposure.isolated_owner(address) is None  # Forgotten when the cluster stops.
 
 
 @pytest.mark.processes

@@ -96,7 +96,8 @@ def test_bad_aggregation_and_pairs():
     with pytest.raises(ValueError, match=r"aggregation must be one of .*'sum' or 'mean'. "
                                          r"Received: aggregation='max'"):
       s.reduce("max", tf.constant(1.0))
-    with pytest.raises(ValueError, match=r"list of \(value, destinations\) pairs.*item 0"):
+    with pytest.raises(ValueError, match=r"list of \(value, destinations\) pairs.*Received: "
+                       r"value_destination_pairs\[0\]=<tf.Tensor"):
       s.batch_reduce("sum", [tf.constant(1.0)])
     with pytest.raises(ValueError, match="destinations must be None, a device string"):
       s.reduce("sum", tf.constant(1.0), destinations=42)

@@ -258,6 +258,51 @@ def test_keras_optimizer_strategy():
   assert _tf_internal.keras_optimizer_strategy(outside) is tf.distribute.get_strategy()
 
 
+def test_keras_model_strategy():
+  strategy = ds.MirroredStrategy(CPUS[:2])
+  with strategy.scope():
+    inside = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+  outside = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+  captured = _tf_internal.keras_model_strategy(inside)
+  assert getattr(captured, "diststrat_strategy", None) is strategy, _broke(
+      "keras_model_strategy", f"Keras {keras.__version__} models captured {captured!r}")
+  assert _tf_internal.keras_model_strategy(outside) is None
+
+
+def test_keras_model_on_stack():
+  seen = []
+
+  class Probe(keras.layers.Layer):
+    def call(self, x):  # Inside the model's __call__ and call: the model is on the stack.
+      seen.append(_tf_internal.keras_model_on_stack(max_frames=60, skip=0))
+      return x
+
+  inputs = keras.Input((3,))
+  model = keras.Model(inputs, Probe()(keras.layers.Dense(1)(inputs)), name="on_stack")
+  seen.clear()  # Building the graph above ran Probe outside any model.
+  model(np.zeros((1, 3), np.float32))
+  assert seen and seen[-1] is model, _broke(
+      "keras_model_on_stack", f"Keras {keras.__version__}: no model among the frames of a "
+      f"layer's call ({seen!r})")
+  assert _tf_internal.keras_model_on_stack(max_frames=60) is None  # No model here.
+
+
+def test_keras_optimizer_being_created():
+  found = []
+
+  def creator(next_creator, **kwargs):
+    found.append(_tf_internal.keras_optimizer_being_created())
+    return next_creator(**kwargs)
+
+  with tf.variable_creator_scope(creator):
+    optimizer = keras.optimizers.SGD(0.1)
+    keras.Variable(1.0)
+  assert found and found[0] is optimizer, _broke(
+      "keras_optimizer_being_created", f"Keras {keras.__version__}: the optimizer's "
+      f"constructor made no variable, or is not BaseOptimizer.__init__ ({found!r})")
+  assert found[-1] is None  # A variable made by anything else.
+
+
 def test_keras_output_loss_trackers():
   inputs = keras.Input((3,))
   model = keras.Model(inputs, {"a": keras.layers.Dense(1)(inputs),

@@ -13,8 +13,10 @@ from typing import Mapping, Optional
 from diststrat._tf import tf
 from diststrat import _tf_internal
 from diststrat._cluster_runtime import _environment
+from diststrat._cluster_runtime import _exposure
 
 PS_JOB = "ps"
+WORKER_JOB = "worker"
 ROLES = ("parameter_server", "multi_worker", "server")
 """Who asks `resolve_cluster`: a worker of each strategy, or a task's server (`serve()`)."""
 
@@ -135,6 +137,23 @@ def wait_for_servers(addresses, timeout, poll=0.5):
     time.sleep(poll)
 
 
+def is_chief_task(cluster_spec, task_type, task_id):
+  """Whether this task is the cluster's chief: the one that writes checkpoints.
+
+  No cluster (`cluster_spec` None): True, the process is alone. In a cluster: task 0 of
+  a "chief" job if the spec has one (tf.distribute's convention), else worker task 0.
+
+  Example:
+    >>> spec = {"ps": ["a:1"], "worker": ["b:1", "b:2"]}
+    >>> [is_chief_task(spec, "worker", i) for i in (0, 1)], is_chief_task(None, None, None)
+    ([True, False], True)
+  """
+  if cluster_spec is None:
+    return True
+  chief_job = "chief" if cluster_spec.get("chief") else WORKER_JOB
+  return task_type == chief_job and task_id == 0
+
+
 class ClusterTaskMixin:
   """The cluster properties of a strategy that runs as one task of a cluster.
 
@@ -178,6 +197,8 @@ def resolve_cluster(cluster_spec=None, task_type=None, task_id=None, *, role: st
 
   Raises:
     ValueError: the spec or the task is not usable by `role`, naming the fix.
+    ClusterError: the spec names tasks of an isolated `LocalCluster` of this process,
+      which this process cannot reach (`_exposure.check_reachable`).
   """
   if role not in ROLES:
     raise ValueError(f"role must be one of {ROLES}. Received: role={role!r}")
@@ -193,6 +214,7 @@ def resolve_cluster(cluster_spec=None, task_type=None, task_id=None, *, role: st
   spec = _environment.checked(
       lambda: normalize_cluster_spec(cluster_spec, task_type, task_id, role),
       None if source == "arguments" else source)
+  _exposure.check_reachable(spec, task_type, task_id)
   return _environment.ClusterConfig(spec, task_type, task_id, source)
 
 

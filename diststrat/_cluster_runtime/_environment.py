@@ -69,6 +69,18 @@ def from_tf_config(text: str) -> ClusterConfig:
     raise ValueError("TF_CONFIG must be JSON such as {\"cluster\": {\"worker\": "
                      "[\"host:port\", ...]}, \"task\": {\"type\": \"worker\", \"index\": 0}}. "
                      f"Received: TF_CONFIG={text!r}") from e
+  addresses = cluster.get(task_type)
+  if not isinstance(addresses, (list, tuple)):
+    raise ValueError(
+        f"TF_CONFIG's task type must be a job of its cluster, one of {sorted(cluster)}. "
+        f"Received: type={task_type!r} in TF_CONFIG={text!r}. Fix the TF_CONFIG the "
+        "launcher sets (diststrat-run sets one per task).")
+  if not 0 <= task_id < len(addresses):
+    raise ValueError(
+        f"TF_CONFIG's task index must be an index into its cluster's {task_type!r} job, "
+        f"from 0 to {len(addresses) - 1}. Received: index={task['index']!r} in "
+        f"TF_CONFIG={text!r}. Fix the TF_CONFIG the launcher sets (diststrat-run sets one "
+        "per task).")
   return ClusterConfig(cluster, task_type, task_id, TF_CONFIG)
 
 

@@ -6,11 +6,18 @@ authentication: whoever reaches the port can read and overwrite every variable a
 ops in the process. diststrat starts one in every cluster task (a parameter server, a
 parameter-server worker connecting, every `MultiWorkerMirroredStrategy` worker) and
 says so once per process. See docs/security.md.
+
+It also knows the addresses of the isolated `LocalCluster`s this process runs (in a
+private network namespace that nothing outside reaches), so that connecting to one from
+outside fails at once with the fix (`check_reachable`), not with "cannot be reached".
 """
 
+import ipaddress
 import logging
 import os
 import threading
+
+from diststrat import errors
 
 logger = logging.getLogger("diststrat")
 
@@ -56,3 +63,78 @@ def server_started(task, address, warm_up_port=None):
       "ports can read and overwrite every variable and run code in this process. Run "
       "clusters on a private network or behind a firewall that admits only the cluster's "
       "hosts, on every port; see docs/security.md.", task, ports, listens)
+
+
+# "host:port" of each task of an isolated LocalCluster of this process -> the cluster's
+# description (its repr).
+_isolated: dict[str, str] = {}
+
+
+def register_isolated(addresses, owner):
+  """Records `addresses` as tasks of `owner` (a description), an isolated cluster."""
+  with _lock:
+    for address in addresses:
+      _isolated[address] = owner
+
+
+def forget_isolated(addresses):
+  """Forgets `addresses` (the cluster stopped)."""
+  with _lock:
+    for address in addresses:
+      _isolated.pop(address, None)
+
+
+def _split(address):
+  host, _, port = address.rpartition(":")
+  host = host.strip("[]")
+  try:
+    loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    loopback = False
+  return ("loopback" if loopback else host), port
+
+
+def is_loopback_address(address):
+  """Whether "host:port" `address` names a loopback host (no name lookup)."""
+  return _split(address)[0] == "loopback"
+
+
+def in_private_network():
+  """Whether this process runs in a LocalCluster's or diststrat-run job's private network."""
+  return os.environ.get(ISOLATED_ENV) == "1"
+
+
+def isolated_owner(address):
+  """The description of the isolated cluster of this process that has `address`, or None.
+
+  Loopback spellings are one host ("localhost:5", "127.0.0.1:5" and "[::1]:5").
+  """
+  key = _split(address)
+  with _lock:
+    for known, owner in _isolated.items():
+      if _split(known) == key:
+        return owner
+  return None
+
+
+def check_reachable(cluster_spec, task_type, task_id):
+  """Raises `ClusterError` if `cluster_spec` names tasks of an isolated cluster of this
+  process (a `LocalCluster` in a private network namespace), which this process, outside
+  it, cannot reach: connecting would only fail, after a timeout.
+  """
+  if in_private_network():
+    return  # This process runs inside a private network: its job's tasks are reachable.
+  for job, addresses in cluster_spec.items():
+    for i, address in enumerate(addresses):
+      owner = isolated_owner(address)
+      if owner is None:
+        continue
+      task = f"/job:{job}/replica:0/task:{i}"
+      raise errors.ClusterError(
+          f"The cluster_spec names {task} at {address}, a task of {owner}, which runs "
+          "isolated in a private network namespace: no process outside it, this one "
+          f"included ({task_type} task {task_id} would connect from here), can reach its "
+          "tasks. Run the workers' code inside the cluster with cluster.run_on_workers(fn), "
+          "or create it with LocalCluster(..., isolate=False) to connect from this process "
+          "(its servers are then reachable by every local process: docs/security.md).",
+          task=task)

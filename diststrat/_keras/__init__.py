@@ -42,8 +42,11 @@ docs/keras.md.
 
 from diststrat import _arguments
 from diststrat import _context
+from diststrat import _strategy
 from diststrat import _tf_internal
+from diststrat._keras import _facade
 from diststrat._keras import _mode_listener
+from diststrat._keras import _training
 from diststrat._keras import _variable_rules
 from diststrat.values import _variables
 
@@ -53,6 +56,19 @@ def install():
   _context.add_mode_listener(_mode_listener.tf_mode)
   _variables.add_rules_finder(_variable_rules.find_rules)
   _arguments.register_variable_unwrapper(_tf_internal.keras_backing_variable)
+  _strategy.add_variable_creation_hook(_route_new_optimizer)
+
+
+def _route_new_optimizer(strategy):
+  """Variable creation hook: a Keras optimizer being created in a real strategy's scope
+  (its `iterations`) is routed as `fit` routes its model's (`_training.route_optimizer`),
+  so its `apply_gradients` in a custom loop's towers applies once, on the summed
+  gradients."""
+  if _context.is_default_strategy(strategy):
+    return
+  optimizer = _tf_internal.keras_optimizer_being_created()
+  if optimizer is not None:
+    _training.route_optimizer(optimizer, _facade.adapter_for(strategy), created_now=True)
 
 
 __all__ = ["install"]

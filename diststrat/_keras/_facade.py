@@ -185,7 +185,11 @@ class ExtendedAdapter:
     return self._ds.parameter_devices
 
   def colocate_vars_with(self, var):
+    _model_checks.check_used_outside(self._adapter(), var, "colocate_vars_with()")
     return self._ds.colocate_vars_with(var)
+
+  def _adapter(self):
+    return adapter_for(self._ds)
 
   def variable_created_in_scope(self, v):
     return _variables.created_by(as_tf_variable(v)) is self._ds
@@ -201,6 +205,7 @@ class ExtendedAdapter:
     the sum on its own device.
     """
     var = as_tf_variable(var)
+    _model_checks.check_used_outside(self._adapter(), var, "update()")
     devices = _wrapped.devices_of(var)
 
     def local(x):
@@ -293,6 +298,7 @@ class StrategyAdapter:
   def scope(self):
     _model_checks.check_no_other_strategy(
         self._ds, "A Keras model (or optimizer, or other tf.distribute-aware code)")
+    _model_checks.check_model_asking_for_scope(self)
     return self._adapter_scope()
 
   @contextlib.contextmanager

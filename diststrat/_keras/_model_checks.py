@@ -1,9 +1,12 @@
 """What diststrat refuses before it runs a Keras step, with the fix in the message.
 
 `StrategyAdapter.run` (`_facade.py`) calls `check_step` before every step Keras's trainer
-hands it, and `StrategyAdapter.scope` calls `check_no_other_strategy`. A Keras model runs
-under the strategy it was built under, on every tower, or not at all: never silently on
-one device. These checks only read Keras objects; they change none.
+hands it; `StrategyAdapter.scope` calls `check_no_other_strategy` and, for the Keras
+model asking for it (`fit` building its optimizer there), `check_model`; the
+`ExtendedAdapter`'s `update` and `colocate_vars_with` call `check_used_outside` (an
+optimizer of the strategy run outside it on a model built outside it). A Keras model
+runs under the strategy it was built under, on every tower, or not at all: never
+silently on one device. These checks only read Keras objects; they change none.
 """
 
 import typing
@@ -34,6 +37,43 @@ def check_step(adapter, fn):
   else:
     check_no_other_strategy(strategy, "A function run by tf.distribute-aware code")
   check_model(adapter, model)
+
+
+def check_model_asking_for_scope(adapter):
+  """Checks the Keras model that enters `adapter`'s scope (its `fit`, `evaluate` or
+  `predict` building its state there), before Keras builds the optimizer: an optimizer
+  created outside the scope would fail there with TensorFlow's "Mixing different
+  tf.distribute.Strategy objects", which names no model and no fix."""
+  model = _tf_internal.keras_model_on_stack(max_frames=3, skip=2)
+  if model is not None and _tf_internal.keras_model_strategy(model) is adapter:
+    check_model(adapter, model)
+
+
+def check_used_outside(adapter, var, what):
+  """Refuses `what` (a Keras optimizer of `adapter`'s strategy writing or colocating with
+  `var`) outside the strategy when `var` is not the strategy's: a model built outside the
+  scope and compiled inside it, run outside it, would train on one device (or fail in
+  `colocate_vars_with`)."""
+  strategy = adapter.diststrat_strategy
+  if _context.get_distribution_strategy() is strategy or \
+      _variables.created_by(as_tf_variable(var)) is strategy:
+    return
+  model = _tf_internal.keras_model_on_stack(max_frames=40)
+  where = _context.describe_current_context()
+  if model is not None:
+    raise errors.ContextError(
+        f"The Keras model {model.name!r} was built outside the scope of {strategy!r}, but "
+        f"its optimizer ({type(getattr(model, 'optimizer', None)).__name__}) was created "
+        f"in it (compile() ran inside `with strategy.scope():`), and it runs in {where}: "
+        "the model would train on one device while its optimizer belongs to the "
+        "strategy. Build the model inside `with strategy.scope():` too (then compile it "
+        "there and call fit as usual), or build and compile it outside any strategy to "
+        "train on one device.")
+  raise errors.ContextError(
+      f"A Keras optimizer created in the scope of {strategy!r} ran {what} on a variable "
+      f"created outside that scope ({getattr(var, 'name', var)!r}), in {where}: it would "
+      "update it on one device. Create the model's variables inside "
+      "`with strategy.scope():` too, or create the optimizer outside any strategy.")
 
 
 def check_no_other_strategy(strategy, what):

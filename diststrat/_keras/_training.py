@@ -118,7 +118,7 @@ tf.register_tensor_conversion_function(
 _routed_optimizers: "weakref.WeakKeyDictionary[Any, StrategyAdapter]" = weakref.WeakKeyDictionary()
 
 
-def route_optimizer(optimizer, adapter):
+def route_optimizer(optimizer, adapter, created_now=False):
   """Makes `optimizer.apply` (and so `apply_gradients`) run once per step, in cross-tower
   context, with the gradients summed over the towers.
 
@@ -132,12 +132,16 @@ def route_optimizer(optimizer, adapter):
   Called from anywhere but a tower of the adapter's strategy, `apply` is Keras's own.
 
   The instance's `apply` attribute is set (once per optimizer); Keras's classes are not
-  changed. Only optimizers created in the adapter's scope are routed.
+  changed. Only optimizers created in the adapter's scope are routed: by `fit` (its
+  model's optimizer, `route_step`), and when they are created in the scope
+  (`created_now`: from the variable creation hook, while Keras's constructor runs and
+  before it stores its strategy, so `apply` checks it when called), so that a custom
+  loop's `apply_gradients` in towers gets the same single apply as `fit`.
   """
   if optimizer is None or _routed_optimizers.get(optimizer) is adapter:
     return
-  if _tf_internal.keras_optimizer_strategy(optimizer) is not adapter or not callable(
-      getattr(type(optimizer), "apply", None)):
+  if not callable(getattr(type(optimizer), "apply", None)) or (
+      not created_now and _tf_internal.keras_optimizer_strategy(optimizer) is not adapter):
     return
   optimizer_ref = weakref.ref(optimizer)
 
@@ -230,11 +234,23 @@ class SummedGradientsContext:
     return value
 
 
+# StrategyAdapter -> how many `apply_summed` of its strategy are running
+_applying_summed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
 def apply_from_tower(adapter, optimizer, grads, trainable_variables=None):
-  """A routed Keras optimizer's `apply` (see `route_optimizer`)."""
+  """A routed Keras optimizer's `apply` (see `route_optimizer`).
+
+  Keras's own `apply` runs where there is nothing to sum: outside a tower of the
+  adapter's strategy, for an optimizer not of that strategy, and in the towers an
+  `apply_summed` runs (a `LossScaleOptimizer` applies its inner optimizer there, on the
+  summed gradients).
+  """
   tower = _context.get_tower_context()
   if tower is None or tower is _context.default_tower_context() or \
-      tower.distribution_strategy is not adapter.diststrat_strategy:
+      tower.distribution_strategy is not adapter.diststrat_strategy or \
+      _tf_internal.keras_optimizer_strategy(optimizer) is not adapter or \
+      _applying_summed.get(adapter, 0):
     return type(optimizer).apply(optimizer, grads, trainable_variables)
   grads = list(grads)
   variables = None if trainable_variables is None else list(trainable_variables)
@@ -285,9 +301,13 @@ def apply_summed(strategy, adapter, optimizer, grads, variables):
       copies[summed[i].ref()] = value
     else:
       summed[i] = value
-  with _tf_internal.tf_distribution_mode(adapter, SummedGradientsContext(adapter)), \
-      _remembering(copies):
-    type(optimizer).apply(optimizer, summed, variables)
+  _applying_summed[adapter] = _applying_summed.get(adapter, 0) + 1
+  try:
+    with _tf_internal.tf_distribution_mode(adapter, SummedGradientsContext(adapter)), \
+        _remembering(copies):
+      type(optimizer).apply(optimizer, summed, variables)
+  finally:
+    _applying_summed[adapter] -= 1
 
 
 # --- the step: routing, splitting, combining -------------------------------------------

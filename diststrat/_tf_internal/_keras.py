@@ -44,6 +44,35 @@ def keras_optimizer_strategy(optimizer):
   return getattr(optimizer, "_distribution_strategy", None)
 
 
+def keras_model_strategy(model):
+  """The `tf.distribute` strategy a Keras 3 model captured when created in a strategy's
+  scope, or None (created outside any).
+
+  Keras's TensorFlow trainer runs `fit`/`evaluate`/`predict` under that strategy (else
+  under the current one), and has no public accessor for it.
+  """
+  return getattr(model, "_distribute_strategy", None)
+
+
+def keras_model_on_stack(max_frames, skip=1):
+  """The innermost Keras model whose method runs in this thread, within `max_frames`
+  frames above the caller's caller (`skip` more frames up), or None.
+
+  Keras hands the tf.distribute strategy it calls (diststrat's adapter) no model; its
+  trainer's methods (`fit`, `train_step`, ...) have it as `self`. diststrat asks only to
+  check that model and to name it in an error.
+  """
+  frame = sys._getframe(skip + 1)  # pylint: disable=protected-access
+  for _ in range(max_frames):
+    if frame is None:
+      return None
+    candidate = frame.f_locals.get("self")
+    if hasattr(candidate, "get_metrics_result"):  # A Keras model (Trainer), not a layer.
+      return candidate
+    frame = frame.f_back
+  return None
+
+
 def keras_output_loss_trackers(model):
   """The `keras.metrics.Mean` trackers of a compiled Keras 3 model's per-output losses.
 
@@ -126,7 +155,30 @@ def restore_keras_backup_dir(callback, state):
 # where a SeedGenerator makes its state.
 _KERAS_VARIABLE_MODULE = "keras.src.backend.tensorflow.core"
 _KERAS_SEED_MODULE = "keras.src.random.seed_generator"
+_KERAS_OPTIMIZER_MODULE = "keras.src.optimizers.base_optimizer"
 _KERAS_FRAMES_SEARCHED = 60
+
+
+def keras_optimizer_being_created():
+  """The Keras 3 optimizer whose constructor is running in this thread, or None.
+
+  Call it from a variable creator: a Keras optimizer creates its `iterations` variable in
+  `BaseOptimizer.__init__`, before anything else could name it (its TensorFlow subclass
+  stores the current strategy after that). Keras passes nothing that says so, so the
+  calling frames are searched for `BaseOptimizer.__init__`, and its `self` is the
+  optimizer.
+  """
+  optimizer_init = _keras_code(_KERAS_OPTIMIZER_MODULE, ("BaseOptimizer", "__init__"))
+  if optimizer_init is None:
+    return None
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  for _ in range(_KERAS_FRAMES_SEARCHED):
+    if frame is None:
+      return None
+    if frame.f_code is optimizer_init:
+      return frame.f_locals.get("self")
+    frame = frame.f_back
+  return None
 
 
 def _keras_code(module_name, path):

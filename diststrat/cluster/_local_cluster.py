@@ -44,7 +44,9 @@ import time
 import weakref
 from multiprocessing import connection
 
+from diststrat import _arguments
 from diststrat import errors
+from diststrat._cluster_runtime import _exposure
 from diststrat.cluster import _forkserver
 from diststrat.cluster import _processes
 from diststrat.cluster._processes import free_ports
@@ -125,6 +127,29 @@ def _check_host(host):
     raise ValueError(f"host must be a name or address this machine resolves, such as "
                      f"'127.0.0.1'. Received: host={host!r} ({e}).") from e
   return host
+
+
+# Set by LocalCluster for each worker's strategy: not the caller's to give.
+_CLUSTER_SET_KWARGS = ("cluster_spec", "task_type", "task_id")
+
+
+def _check_strategy_kwargs(strategy_kwargs):
+  """A copy of `strategy_kwargs` (a dict of keyword arguments, or None), else raises."""
+  if strategy_kwargs is None:
+    return {}
+  if not isinstance(strategy_kwargs, dict) or not all(
+      isinstance(key, str) for key in strategy_kwargs):
+    raise ValueError(
+        "strategy_kwargs must be a dict of keyword arguments for each worker's strategy, "
+        "such as {'step_timeout': 10}, or None. Received: "
+        f"strategy_kwargs={strategy_kwargs!r} ({type(strategy_kwargs).__name__}).")
+  taken = [key for key in _CLUSTER_SET_KWARGS if key in strategy_kwargs]
+  if taken:
+    raise ValueError(
+        f"strategy_kwargs cannot set {', '.join(taken)}: LocalCluster gives each worker's "
+        "strategy the cluster's spec and the worker's own task. Received: "
+        f"strategy_kwargs={strategy_kwargs!r}. Leave them out.")
+  return dict(strategy_kwargs)
 
 
 def _is_loopback(host):
@@ -289,11 +314,14 @@ class LocalCluster:
     num_ps: number of PS tasks (0: workers only).
     num_workers: number of worker tasks.
     strategy_kwargs: extra arguments of each worker's strategy, such as
-      {"step_timeout": 10, "variable_placement": "round_robin"}.
+      {"step_timeout": 10, "variable_placement": "round_robin"} (not `cluster_spec`,
+      `task_type` or `task_id`, which the cluster sets).
     cpus_per_worker: on machines without GPUs, split each worker process's CPU into this
-      many logical devices (its towers); None leaves TensorFlow's default (one).
-    start_timeout: seconds a PS server may take to start.
-    result_timeout: seconds `run_on_workers` waits for the workers' results.
+      many logical devices (its towers), a positive int; None leaves TensorFlow's
+      default (one).
+    start_timeout: seconds (a positive number) a PS server may take to start.
+    result_timeout: seconds (a positive number) `run_on_workers` waits for the workers'
+      results.
     host: the address the tasks use to reach each other (loopback by default). It is
       not where the servers listen: TensorFlow's servers listen on every interface.
     isolate: whether the cluster's processes run in a private network namespace that
@@ -303,6 +331,9 @@ class LocalCluster:
       are reachable. True: required (`ClusterError` if the system does not allow it).
       False: never; needed when a worker's code must reach the network (isolated
       processes have only loopback). See docs/security.md.
+
+  Every argument is checked when the cluster is created, before any process starts: a
+  bad one raises `ValueError` naming it.
 
   Security: TensorFlow's gRPC servers run any graph any client sends, without
   authentication. Without isolation, any process that can reach this machine's ports
@@ -328,17 +359,26 @@ class LocalCluster:
                start_timeout: float = DEFAULT_START_TIMEOUT,
                result_timeout: float = DEFAULT_RESULT_TIMEOUT, host: str = "127.0.0.1",
                isolate: Optional[bool] = None) -> None:
-    for name, value, least in (("num_ps", num_ps, 0), ("num_workers", num_workers, 1),
-                               ("cpus_per_worker", cpus_per_worker or 1, 1)):
+    # Every argument is checked here, before any process starts.
+    for name, value, least in (("num_ps", num_ps, 0), ("num_workers", num_workers, 1)):
       if not isinstance(value, int) or isinstance(value, bool) or value < least:
         kind = "a non-negative" if least == 0 else "a positive"
         raise ValueError(f"{name} must be {kind} integer. Received: {name}={value!r}")
+    if cpus_per_worker is not None and (
+        not isinstance(cpus_per_worker, int) or isinstance(cpus_per_worker, bool)
+        or cpus_per_worker < 1):
+      raise ValueError(
+          "cpus_per_worker must be a positive integer (the logical CPU devices, so towers, "
+          "of each worker process), or None for TensorFlow's default of one. Received: "
+          f"cpus_per_worker={cpus_per_worker!r}")
     self.num_ps = num_ps
     self._cpus_per_worker = cpus_per_worker
     self.num_workers = num_workers
-    self._strategy_kwargs = dict(strategy_kwargs or {})
-    self._start_timeout = float(start_timeout)
-    self._result_timeout = float(result_timeout)
+    self._strategy_kwargs = _check_strategy_kwargs(strategy_kwargs)
+    self._start_timeout = _arguments.seconds("start_timeout", start_timeout,
+                                             allow_none=False)
+    self._result_timeout = _arguments.seconds("result_timeout", result_timeout,
+                                              allow_none=False)
     self._host = _check_host(host)
     if isolate not in (None, True, False):
       raise ValueError(f"isolate must be None (when possible), True or False. Received: "
@@ -367,6 +407,10 @@ class LocalCluster:
   def __exit__(self, exc_type, exc, tb):
     self.stop()
     return False
+
+  def _addresses(self):
+    assert self._spec is not None  # `start` set it.
+    return [address for addresses in self._spec.values() for address in addresses]
 
   @property
   def isolated(self) -> bool:
@@ -400,6 +444,8 @@ class LocalCluster:
     try:
       deadline = time.monotonic() + self._start_timeout
       self._network = self._private_network()
+      if self.isolated:  # Connecting from outside then fails at once, with the fix.
+        _exposure.register_isolated(self._addresses(), repr(self))
       self._forkserver = _fork_server(self._environment("server"), self._start_timeout)
       self._ps = [self._start_ps(i) for i in range(self.num_ps)]
       for task_id, child in enumerate(self._ps):
@@ -425,6 +471,8 @@ class LocalCluster:
     if self._forkserver is not None and self._forkserver is not _Shared.server:
       self._forkserver.close()
     self._network.close()
+    if self._spec is not None:
+      _exposure.forget_isolated(self._addresses())
     _running_clusters.discard(self)
 
   def pid(self, task_type: str, task_id: int) -> Optional[int]:

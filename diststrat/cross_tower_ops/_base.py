@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from diststrat._tf import tf
 from diststrat import _devices
+from diststrat import _arguments
 from diststrat._arguments import Aggregation
 from diststrat._arguments import as_tf_variable
 from diststrat._arguments import canonical_aggregation
@@ -148,15 +149,9 @@ class CrossTowerOps:
       (3.0, [2.0, 2.0])
     """
     aggregation = canonical_aggregation(aggregation)
-    if isinstance(value_destination_pairs, (str, bytes)) or not isinstance(
-        value_destination_pairs, (list, tuple)):
-      raise ValueError("batch_reduce() takes a list of (value, destinations) pairs. "
-                       f"Received: value_destination_pairs={value_destination_pairs!r}")
     items = []
-    for i, pair in enumerate(value_destination_pairs):
-      if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-        raise ValueError("batch_reduce() takes a list of (value, destinations) pairs. "
-                         f"Received: item {i} = {pair!r}")
+    for pair in _arguments.check_value_destination_pairs("batch_reduce",
+                                                        value_destination_pairs):
       value = _as_per_device(pair[0], "batch_reduce", pair[1])
       items.append((value, _wrapped.resolve_destinations(pair[1], default=value.devices)))
     if not items:

@@ -59,6 +59,20 @@ def check_variable_kwargs(kwargs):
         f"aggregation={aggregation!r}, name={kwargs.get('name')!r}")
 
 
+def _check_cross_tower_ops(value):
+  """`value` if it is None or a `CrossTowerOps`, else raises `TypeError` naming the fix."""
+  if value is None or isinstance(value, cross_tower_ops.CrossTowerOps):
+    return value
+  hint = ""
+  if isinstance(value, str):
+    hint = f" For an all-reduce algorithm by name, pass AllReduceCrossTowerOps({value!r})."
+  raise TypeError(
+      "cross_tower_ops must be a diststrat.cross_tower_ops.CrossTowerOps (such as "
+      "AllReduceCrossTowerOps(\"naive\") or ReductionToOneDevice()), or None to choose "
+      f"one by measurement. Received: cross_tower_ops={value!r} ({type(value).__name__})."
+      f"{hint}")
+
+
 class MirroredStrategy(DistributionStrategy):
   """Data parallelism on the devices of one machine, variables mirrored on each.
 
@@ -103,7 +117,7 @@ class MirroredStrategy(DistributionStrategy):
     self._devices = self._check_devices(devices)
     if cross_tower_ops is None:  # A bad DISTSTRAT_CROSS_TOWER_OPS is refused here.
       cross_tower_ops = _choose.default_cross_tower_ops(self._devices, self._budget)
-    self._cross_tower_ops = cross_tower_ops
+    self._cross_tower_ops = _check_cross_tower_ops(cross_tower_ops)
     self._tower_timeout = tower_timeout
     self._step = threading.local()  # started: perf_counter() at the outermost call's start
 

@@ -208,6 +208,20 @@ class ParameterServerStrategy(_cluster_spec.ClusterTaskMixin, DistributionStrate
     return f"ParameterServerStrategy({self._backend.describe()})"
 
   @property
+  def is_chief(self) -> bool:
+    """True in the process that should write checkpoints and summaries.
+
+    In a cluster: worker task 0 (task 0 of a "chief" job if the spec has one), as
+    `MultiWorkerMirroredStrategy.is_chief`. In one process (no cluster): True.
+
+    Example:
+      >>> import diststrat as ds
+      >>> ds.ParameterServerStrategy(worker_devices=["/cpu:0"], ps_devices=["/cpu:1"]).is_chief
+      True
+    """
+    return _cluster_spec.is_chief_task(self._cluster_spec, self._task_type, self._task_id)
+
+  @property
   def placer(self) -> "VariablePlacer":
     """The `VariablePlacer` (its `loads` shows the elements per parameter device)."""
     return self._placer

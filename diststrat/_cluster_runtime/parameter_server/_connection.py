@@ -99,10 +99,17 @@ class ClusterConnection:
               in zip(self.ps_tasks, addresses, outcomes, strict=True) if why]
     if failed:
       text = "; ".join(f"parameter server task {t} at {a} {w}" for t, a, w in failed)
+      hint = ""
+      if all(_exposure.is_loopback_address(a) for _, a, _ in failed) and not (
+          _exposure.in_private_network()):
+        hint = (" If the task runs in another process's isolated LocalCluster or "
+                "diststrat-run job (a private network namespace), only that job's processes "
+                "reach it: run this code in the job (LocalCluster.run_on_workers), or start "
+                "the job with isolate=False (diststrat-run --no-isolate).")
       raise errors.ClusterError(
           f"Cannot connect {self.local_task} to the cluster: {text}. Start the task(s) "
-          "(or fix cluster_spec), then create the strategy (or call reconnect()) again.",
-          task=failed[0][0])
+          "(or fix cluster_spec), then create the strategy (or call reconnect()) again."
+          f"{hint}", task=failed[0][0])
 
   def local_devices(self):
     """This task's GPUs, else its first CPU (canonical names)."""
