@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 
 from diststrat._tf import tf
 from diststrat import _tf_internal
+from diststrat import errors
 from diststrat._cluster_runtime import _environment
 from diststrat._cluster_runtime import _exposure
 
@@ -198,7 +199,7 @@ def resolve_cluster(cluster_spec=None, task_type=None, task_id=None, *, role: st
   Raises:
     ValueError: the spec or the task is not usable by `role`, naming the fix.
     ClusterError: the spec names tasks of an isolated `LocalCluster` of this process,
-      which this process cannot reach (`_exposure.check_reachable`).
+      which this process cannot reach (`check_reachable`).
   """
   if role not in ROLES:
     raise ValueError(f"role must be one of {ROLES}. Received: role={role!r}")
@@ -214,7 +215,7 @@ def resolve_cluster(cluster_spec=None, task_type=None, task_id=None, *, role: st
   spec = _environment.checked(
       lambda: normalize_cluster_spec(cluster_spec, task_type, task_id, role),
       None if source == "arguments" else source)
-  _exposure.check_reachable(spec, task_type, task_id)
+  check_reachable(spec, task_type, task_id)
   return _environment.ClusterConfig(spec, task_type, task_id, source)
 
 
@@ -238,3 +239,26 @@ def _check_parameter_server_worker(config):
         "parameter servers run no model code. Run diststrat.cluster.serve() in PS tasks "
         "instead of the training program (diststrat-run does this itself): see "
         "docs/launch.md.")
+
+
+def check_reachable(cluster_spec, task_type, task_id):
+  """Raises `ClusterError` if `cluster_spec` names tasks of an isolated cluster of this
+  process (a `LocalCluster` in a private network namespace), which this process, outside
+  it, cannot reach: connecting would only fail, after a timeout.
+  """
+  if _exposure.in_private_network():
+    return  # This process runs inside a private network: its job's tasks are reachable.
+  for job, addresses in cluster_spec.items():
+    for i, address in enumerate(addresses):
+      owner = _exposure.isolated_owner(address)
+      if owner is None:
+        continue
+      task = f"/job:{job}/replica:0/task:{i}"
+      raise errors.ClusterError(
+          f"The cluster_spec names {task} at {address}, a task of {owner}, which runs "
+          "isolated in a private network namespace: no process outside it, this one "
+          f"included ({task_type} task {task_id} would connect from here), can reach its "
+          "tasks. Run the workers' code inside the cluster with cluster.run_on_workers(fn), "
+          "or create it with LocalCluster(..., isolate=False) to connect from this process "
+          "(its servers are then reachable by every local process: docs/security.md).",
+          task=task)

@@ -9,7 +9,12 @@ says so once per process. See docs/security.md.
 
 It also knows the addresses of the isolated `LocalCluster`s this process runs (in a
 private network namespace that nothing outside reaches), so that connecting to one from
-outside fails at once with the fix (`check_reachable`), not with "cannot be reached".
+outside fails at once with the fix (`_cluster_spec.check_reachable`), not with "cannot
+be reached".
+
+It imports no TensorFlow (nor `diststrat.errors`, which does): the process layer under
+`diststrat-run` reads `ISOLATED_ENV` from it, and the launcher must answer `--help`
+without TensorFlow (tests/test_launcher.py).
 """
 
 import ipaddress
@@ -17,7 +22,6 @@ import logging
 import os
 import threading
 
-from diststrat import errors
 
 logger = logging.getLogger("diststrat")
 
@@ -115,26 +119,3 @@ def isolated_owner(address):
       if _split(known) == key:
         return owner
   return None
-
-
-def check_reachable(cluster_spec, task_type, task_id):
-  """Raises `ClusterError` if `cluster_spec` names tasks of an isolated cluster of this
-  process (a `LocalCluster` in a private network namespace), which this process, outside
-  it, cannot reach: connecting would only fail, after a timeout.
-  """
-  if in_private_network():
-    return  # This process runs inside a private network: its job's tasks are reachable.
-  for job, addresses in cluster_spec.items():
-    for i, address in enumerate(addresses):
-      owner = isolated_owner(address)
-      if owner is None:
-        continue
-      task = f"/job:{job}/replica:0/task:{i}"
-      raise errors.ClusterError(
-          f"The cluster_spec names {task} at {address}, a task of {owner}, which runs "
-          "isolated in a private network namespace: no process outside it, this one "
-          f"included ({task_type} task {task_id} would connect from here), can reach its "
-          "tasks. Run the workers' code inside the cluster with cluster.run_on_workers(fn), "
-          "or create it with LocalCluster(..., isolate=False) to connect from this process "
-          "(its servers are then reachable by every local process: docs/security.md).",
-          task=task)
