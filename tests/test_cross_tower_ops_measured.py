@@ -2,6 +2,7 @@
 and _choose.py; docs/cross_tower_ops.md, "The default: measured")."""
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -232,13 +233,28 @@ def test_a_first_call_in_a_trace_measures_eagerly(timed):
   assert not any(op.type in ("Fill", "Zeros") for op in graph.get_operations())
 
 
-def test_a_step_bounds_the_measurement_by_its_time_so_far(timed):
+def test_the_budget_is_a_fraction_of_the_steps_time_so_far():
+  assert _measured.measurement_budget(None) == _measured.MAX_SECONDS
+  budget = _measured.measurement_budget(time.perf_counter() - 0.5)
+  assert _measured.FRACTION * 0.5 <= budget < _measured.FRACTION * 0.5 + 0.05
+  assert _measured.measurement_budget(time.perf_counter() - 3600) == _measured.MAX_SECONDS
+
+
+def test_a_step_too_short_to_pay_for_measuring_uses_the_heuristic(timed, monkeypatch):
+  # A first step whose budget (a fraction of its time so far) is below MIN_SECONDS times
+  # nothing: the heuristic's pick reduces, and no choice is cached.
+  monkeypatch.setattr(_measured, "FRACTION", 0.0)
   s = ds.MirroredStrategy(CPUS)
-  _train(s, steps=1)
-  assert timed and timed[0]["budget"] <= _measured.MAX_SECONDS
-  # Inside a step the budget is a fraction of the step's time so far: far below 1 s here
-  # unless the machine is very slow; either way never above the cap.
-  assert timed[0]["budget"] <= _measured.FRACTION * 60
+  reference = _train(ds.DefaultStrategy(), steps=1)
+  weights = _train(s, steps=1)
+  assert timed == []
+  assert s.cross_tower_ops.chosen is s.cross_tower_ops.candidates[0]
+  for got, want in zip(weights, reference, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # With time to spare (the fraction's cap), the same first step measures.
+  monkeypatch.setattr(_measured, "FRACTION", 1e6)
+  _train(ds.MirroredStrategy(CPUS), steps=1)
+  assert len(timed) == 1 and timed[0]["budget"] == _measured.MAX_SECONDS
 
 
 def test_the_budget_stops_the_measurement(timed):
@@ -246,9 +262,15 @@ def test_the_budget_stops_the_measurement(timed):
   value, arrays = _tower_values(ds.MirroredStrategy(CPUS))
   result = ops.reduce("sum", value)
   np.testing.assert_allclose(result.primary.numpy(), np.sum(arrays, axis=0), rtol=1e-6)
-  assert list(timed[0]["timings"]) == [0]  # Only the first candidate, the heuristic's.
-  assert timed[0]["skipped"] == list(range(1, len(ops.candidates)))
+  assert timed == []  # No time: nothing timed, the heuristic's pick.
   assert ops.chosen is ops.candidates[0]
+  # The smallest budget that times: the first candidate at least, maybe not all.
+  ops = MeasuredCrossTowerOps(CPUS, budget=lambda: _measured.MIN_SECONDS)
+  result = ops.reduce("sum", value)
+  np.testing.assert_allclose(result.primary.numpy(), np.sum(arrays, axis=0), rtol=1e-6)
+  assert 0 in timed[0]["timings"]
+  assert sorted(list(timed[0]["timings"]) + timed[0]["skipped"]) == list(
+      range(len(ops.candidates)))
 
 
 def test_the_measurement_stays_within_one_second():

@@ -13,7 +13,10 @@ ops to the trace. It is bounded (`measurement_budget`): at most `MAX_SECONDS`, a
 a step (`call_for_each_tower`) at most `FRACTION` of the time the step has taken so far,
 a lower bound of the first call's time. The candidates are timed in order of preference
 (the instant heuristic's pick first); those that do not fit the budget are not timed, so
-a tight budget leaves the heuristic's pick. The choice and the timings are logged once at
+a tight budget leaves the heuristic's pick. A budget below `MIN_SECONDS` times nothing:
+the heuristic's pick reduces that batch, and the choice is left open for a later first
+call with a larger budget (a short first step inside `tf.function` is traced once, so
+for small models the heuristic's pick is what runs). The choice and the timings are logged once at
 INFO on the "diststrat" logger.
 
 Results do not depend on the choice beyond rounding: every candidate adds the same values,
@@ -39,6 +42,9 @@ logger = logging.getLogger("diststrat")
 
 MAX_SECONDS = 1.0  # The measurement never takes longer than this (per kind of batch).
 FRACTION = 0.1  # Inside a step: at most this fraction of the step's time so far.
+MIN_SECONDS = 0.05  # Below this budget nothing is timed: one candidate's trace and runs
+# would overrun it (measured: 20-40 ms for the first one), so the heuristic's pick
+# reduces, and the next first call of that kind with a larger budget measures.
 TIMED_ROUNDS = 3  # Timed calls per candidate, interleaved, after one untimed warm-up.
 
 # key -> (chosen ops, {repr of candidate: best seconds}); process-wide, guarded by _lock.
@@ -162,15 +168,19 @@ class MeasuredCrossTowerOps(_base.CrossTowerOps):
     with _lock:
       entry = _choices.get(key)
       if entry is None:
-        entry = self._measure(aggregation, dense)
+        budget = self._budget()
+        if budget < MIN_SECONDS:  # Too little time to time anything: not chosen yet.
+          self._chosen = self._first_candidate()
+          return self._chosen
+        entry = self._measure(aggregation, dense, budget)
         _choices[key] = entry
     self._chosen = entry[0]
     return entry[0]
 
-  def _measure(self, aggregation, dense):
-    """Times the candidates on zeros shaped like `dense`, eagerly; (fastest, timings)."""
+  def _measure(self, aggregation, dense, budget):
+    """Times the candidates on zeros shaped like `dense`, eagerly, within `budget`
+    seconds; (fastest, timings)."""
     started = time.perf_counter()
-    budget = self._budget()
     with tf.init_scope():  # Eagerly, also when called while a tf.function is traced.
       zeros = [(_zeros_like(value), destinations) for value, destinations in dense]
       timings, skipped = _time_candidates(self.candidates, aggregation, zeros, started,
