@@ -26,7 +26,7 @@ XDIST := -n 2 --dist loadgroup
 test: install
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
-# The edit-test loop: every test that starts no process (about a minute and a half).
+# The edit-test loop: every test that starts no process (under two minutes).
 test-fast: install
 	$(PY) -m pytest $(XDIST) -m "not processes" $(PYTEST_ARGS)
 
