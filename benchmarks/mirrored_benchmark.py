@@ -47,6 +47,8 @@ flags.DEFINE_bool("quick", False, "A short smoke run.")
 flags.DEFINE_integer("rounds", None, "Timed blocks per contender (default 7; 2 with --quick).")
 flags.DEFINE_multi_enum("parts", None, ["steps", "batch_reduce", "memory"],
                         "What to measure (repeatable; default all, without memory with --quick).")
+flags.DEFINE_list("towers", None, "Tower counts of the step tables (default 1,2,4; 1,4 with "
+                  "--quick). Counts above 4 split the CPU into that many logical devices.")
 flags.DEFINE_string("group", None, "Internal: run one group of contenders in this process.")
 FLAGS = flags.FLAGS
 
@@ -413,8 +415,8 @@ def run_group(group, quick, rounds):
   other devices aborts the first), so each group runs in a fresh process: diststrat and
   tf.distribute are still measured side by side, interleaved, inside it.
   """
-  devices = configure_devices()
   if group == "batch_reduce":
+    devices = configure_devices()
     warm_up(devices, len(devices), quick)
     entries = run_batch_reduce(devices, [1, 16] if quick else [1, 16, 64], rounds)
     for e in entries:
@@ -422,6 +424,7 @@ def run_group(group, quick, rounds):
     return entries
   model, n = group.split(":")
   n = int(n)
+  devices = _common.configure_devices(max(NUM_DEVICES, n))
   spec = mlp_spec() if model == "mlp" else cnn_spec()
   warm_up(devices, n, quick)
   steps = 3 if quick else (10 if model == "mlp" else 4)
@@ -443,7 +446,8 @@ def main(argv):
             "throughput": [], "batch_reduce": [], "memory": {}}
   parts = args.parts or (["steps", "batch_reduce"] if args.quick else
                          ["steps", "batch_reduce", "memory"])
-  towers = [1, 4] if args.quick else [1, 2, 4]
+  towers = ([int(n) for n in args.towers] if args.towers else
+            [1, 4] if args.quick else [1, 2, 4])
   if "steps" in parts:
     for model in (["mlp"] if args.quick else ["mlp", "cnn"]):
       for n in towers:
