@@ -11,8 +11,9 @@ imports TensorFlow (checking its version, `_tf.py`), every submodule, and instal
 Keras support (`_keras.install()`: Keras 3 models, optimizers and `fit` under every
 strategy). A program that imports only submodules (`from diststrat.strategies import
 MirroredStrategy`) gets the Keras support too: the core installs it the first time a
-strategy's context is entered (`_integrations.py`). A missing TensorFlow is reported by
-`import diststrat` itself.
+strategy's context is entered (`_integrations.py`). A missing TensorFlow, or one too old
+(read from its package metadata, `_tf_version.py`), is reported by `import diststrat`
+itself.
 """
 
 import importlib
@@ -21,6 +22,7 @@ import threading
 import typing
 
 from diststrat import _integrations
+from diststrat import _tf_version
 
 __version__ = "0.1.0"
 
@@ -108,6 +110,7 @@ def _tensorflow_missing() -> bool:
 
 if _tensorflow_missing():
   importlib.import_module("diststrat._tf")  # Raises the ImportError that says how to fix it.
+_tf_version.check_installed()  # Too old: refused here too, from its metadata (no import).
 
 _lock = threading.RLock()
 

@@ -34,7 +34,7 @@ BOUNDARY = "_tf_internal"
 # Lowest first; the same order as the picture in docs/architecture.md. A package's
 # `__init__` is named by the package ("" is diststrat/__init__.py).
 LAYERS = [
-    ("foundation", ["_tf", "_integrations", "_tf_internal._base", "_tf_internal._autograph",
+    ("foundation", ["_tf_version", "_tf", "_integrations", "_tf_internal._base", "_tf_internal._autograph",
                     "_tf_internal._thread_state", "_tf_internal._collectives",
                     "_tf_internal._functions", "_tf_internal._cluster_rpc",
                     "_tf_internal._variables", "_tf_internal._tapes", "_tf_internal._keras",

@@ -7,6 +7,8 @@ import pytest
 
 import diststrat as ds
 from diststrat import _tf
+from diststrat import _tf_version
+import tensorflow as tf
 
 
 @pytest.mark.processes
@@ -83,11 +85,28 @@ def test_a_program_that_imports_only_a_submodule_gets_the_keras_support():
 
 
 @pytest.mark.processes
-def test_old_tensorflow_is_refused_at_first_use():
-  code = ("import sys, types\n"
-          "sys.modules['tensorflow'] = types.SimpleNamespace(__version__='2.15.0')\n"
-          "import diststrat as ds\n"
-          "try:\n  ds.MirroredStrategy\nexcept ImportError as e:\n  print('ERR', e)\n")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120, check=True).stdout
-  assert "ERR diststrat needs TensorFlow >= 2.16, found 2.15.0" in out, out
+def test_old_tensorflow_is_refused_by_import_diststrat():
+  """`import diststrat` imports no TensorFlow, yet refuses an old one at once (it was
+  refused only at the first `ds.<name>`): from an imported module's version, and from
+  the installed distribution's metadata when none is imported."""
+  imported = ("import sys, types\n"
+              "sys.modules['tensorflow'] = types.SimpleNamespace(__version__='2.15.0')\n")
+  installed = ("import importlib.metadata as m\n"
+               "real = m.version\n"
+               "def version(name):\n"
+               "  if name == 'tensorflow-cpu': return '2.14.1'\n"
+               "  if name == 'tensorflow': raise m.PackageNotFoundError(name)\n"
+               "  return real(name)\n"
+               "m.version = version\n")
+  for setup, found in ((imported, "2.15.0"), (installed, "2.14.1")):
+    code = (setup + "try:\n  import diststrat\nexcept ImportError as e:\n  print('ERR', e)\n"
+            "import sys\nprint('tensorflow imported:', hasattr(sys.modules.get('tensorflow'), "
+            "'function'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert f"ERR diststrat needs TensorFlow >= 2.16, found {found}" in out, out
+    assert "tensorflow imported: False" in out, out
+
+
+def test_the_installed_version_is_read_without_importing_tensorflow():
+  assert _tf_version.installed_version() == tf.__version__  # Imported here: its own.
