@@ -857,12 +857,19 @@ def test_a_signalled_launcher_leaves_nothing_behind(tmp_path, sig, ps):
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_log_dir_keeps_one_file_per_task_and_attempt(tmp_path):
+  # The stdout line is written in two pieces with a stderr line between them: the log
+  # keeps whole lines (it cut the stdout line with the stderr one, about 1 run in 5
+  # when unbuffered output arrived in pieces).
   script = _write(tmp_path, "attempts.py", """
-      import json, os, sys
+      import json, os, sys, time
       index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
       attempt = os.environ["DISTSTRAT_RESTART_COUNT"]
-      print("out of worker", index, "attempt", attempt, flush=True)
+      sys.stdout.write("out of worker ")
+      sys.stdout.flush()
+      time.sleep(0.3)
       print("err of worker", index, file=sys.stderr, flush=True)
+      time.sleep(0.3)
+      print(index, "attempt", attempt, flush=True)
       if index == 1 and attempt == "0":
         sys.exit(5)
       """)

@@ -7,7 +7,9 @@ One thread per stream (`TaskOutput.follow`) reads a task's standard output or er
   with "\\r" keeps the prefix on every redraw. Only whole lines are copied, so the tasks'
   lines never mix (a line without an end is copied when the stream ends, or once it
   passes 64 KiB);
-- writes it, unprefixed and both streams together, to the task's log file (`--log-dir`);
+- writes it, unprefixed and both streams together, to the task's log file (`--log-dir`),
+  whole lines at a time as above: a line the task writes in pieces (unbuffered output)
+  is not cut by the other stream's;
 - keeps the last `LAST_LINES` lines of each stream, for the summary of a failed job;
 - notes when the task last wrote anything (`last_output`, for `--heartbeat-timeout`).
 """
@@ -60,7 +62,7 @@ class TaskOutput:
         chunk = b""
       if not chunk:
         break
-      self._record(chunk)
+      self.last_output = time.monotonic()
       pending += chunk
       lines, end = [], 0
       for match in _SEGMENT.finditer(pending):
@@ -71,18 +73,19 @@ class TaskOutput:
         lines.append(pending)
         pending = b""
       mid_line = self._copy_lines(stream, lines, sink, mid_line)
+      self._log_lines(lines)
     if pending:
       self._copy_lines(stream, [pending + b"\n"], sink, mid_line)
+      self._log_lines([pending])
     pipe.close()
 
-  def _record(self, chunk):
-    self.last_output = time.monotonic()
-    if self._log is not None:
+  def _log_lines(self, lines):
+    if self._log is not None and lines:
       with self._lock:
         try:
-          self._log.write(chunk)
+          self._log.write(b"".join(lines))
           self._log.flush()
-        except (OSError, ValueError):  # Closed by `close` after a timeout; full disk.
+        except (OSError, ValueError, AttributeError):  # Closed by `close`; full disk.
           pass
 
   def _copy_lines(self, stream, lines, sink, mid_line):
