@@ -519,7 +519,11 @@ def test_a_parameter_server_job_across_two_hosts_ends_with_status_0_on_both(tmp_
   shell = _write(tmp_path, "two_hosts.sh", _TWO_HOSTS.format(
       python=sys.executable, script=script, out=tmp_path, timeout=JOB_TIMEOUT))
   marker = uuid.uuid4().hex
-  done = subprocess.run(["unshare", "-Urn", "bash", str(shell)], env=_env(marker),
+  # Six TensorFlow processes at once on a 2-core machine: one thread per op pool each,
+  # so that they do not starve the other pytest worker's tests (one took 27 s instead
+  # of 1 s beside this test, a faulthandler dump showed it tracing, not blocked).
+  env = dict(_env(marker), TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
+  done = subprocess.run(["unshare", "-Urn", "bash", str(shell)], env=env,
                         cwd=tmp_path, capture_output=True, text=True,
                         timeout=JOB_TIMEOUT + 30)
   logs = "\n".join((tmp_path / f"host{i}.log").read_text() for i in (0, 1))
