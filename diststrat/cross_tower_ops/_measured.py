@@ -145,10 +145,10 @@ class MeasuredCrossTowerOps(_base.CrossTowerOps):
     return f"MeasuredCrossTowerOps(chosen={self._chosen!r})"
 
   def _run(self, kind, aggregation, items):
-    return self._ops_for(kind, aggregation, items)._run(kind, aggregation, items)  # pylint: disable=protected-access
+    return self._ops_for(kind, aggregation, items)._run(kind, aggregation, items)
 
   def _reduce(self, aggregation, per_device_value, destinations):  # Unused: _run delegates.
-    return self._ops_for("reduce", aggregation, [(per_device_value, destinations)])._reduce(  # pylint: disable=protected-access
+    return self._ops_for("reduce", aggregation, [(per_device_value, destinations)])._reduce(
         aggregation, per_device_value, destinations)
 
   def _first_candidate(self):
