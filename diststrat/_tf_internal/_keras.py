@@ -54,6 +54,17 @@ def keras_model_strategy(model):
   return getattr(model, "_distribute_strategy", None)
 
 
+def _frames_above(depth, limit):
+  """At most `limit` frames, from the one `depth` levels above the function that iterates
+  this (1: that function's caller) outwards."""
+  frame = sys._getframe(depth + 1)  # pylint: disable=protected-access
+  for _ in range(limit):
+    if frame is None:
+      return
+    yield frame
+    frame = frame.f_back
+
+
 def keras_model_on_stack(max_frames, skip=1):
   """The innermost Keras model whose method runs in this thread, within `max_frames`
   frames above the caller's caller (`skip` more frames up), or None.
@@ -62,14 +73,10 @@ def keras_model_on_stack(max_frames, skip=1):
   trainer's methods (`fit`, `train_step`, ...) have it as `self`. diststrat asks only to
   check that model and to name it in an error.
   """
-  frame = sys._getframe(skip + 1)  # pylint: disable=protected-access
-  for _ in range(max_frames):
-    if frame is None:
-      return None
+  for frame in _frames_above(skip + 1, max_frames):
     candidate = frame.f_locals.get("self")
     if hasattr(candidate, "get_metrics_result"):  # A Keras model (Trainer), not a layer.
       return candidate
-    frame = frame.f_back
   return None
 
 
@@ -112,13 +119,9 @@ def keras_fit_callbacks():
   fit = getattr(inspect.unwrap(getattr(trainer, "fit", None)), "__code__", None)
   if fit is None:
     return None
-  frame = sys._getframe(1)  # pylint: disable=protected-access
-  for _ in range(_FIT_FRAMES_SEARCHED):
-    if frame is None:
-      return None
+  for frame in _frames_above(1, _FIT_FRAMES_SEARCHED):
     if frame.f_code is fit:
       return frame.f_locals.get("callbacks")
-    frame = frame.f_back
   return None
 
 
@@ -171,13 +174,9 @@ def keras_optimizer_being_created():
   optimizer_init = _keras_code(_KERAS_OPTIMIZER_MODULE, ("BaseOptimizer", "__init__"))
   if optimizer_init is None:
     return None
-  frame = sys._getframe(1)  # pylint: disable=protected-access
-  for _ in range(_KERAS_FRAMES_SEARCHED):
-    if frame is None:
-      return None
+  for frame in _frames_above(1, _KERAS_FRAMES_SEARCHED):
     if frame.f_code is optimizer_init:
       return frame.f_locals.get("self")
-    frame = frame.f_back
   return None
 
 
@@ -201,14 +200,10 @@ def keras_variable_origin():
   if variable_init is None:
     return None
   seed_init = _keras_code(_KERAS_SEED_MODULE, ("SeedGenerator", "__init__"))
-  frame = sys._getframe(1)  # pylint: disable=protected-access
   origin = None
-  for _ in range(_KERAS_FRAMES_SEARCHED):
-    if frame is None:
-      break
+  for frame in _frames_above(1, _KERAS_FRAMES_SEARCHED):
     if frame.f_code is variable_init:
       origin = "keras"
     elif frame.f_code is seed_init:
       return "seed" if origin else None
-    frame = frame.f_back
   return origin

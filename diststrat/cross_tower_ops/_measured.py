@@ -43,8 +43,8 @@ logger = logging.getLogger("diststrat")
 MAX_SECONDS = 1.0  # The measurement never takes longer than this (per kind of batch).
 FRACTION = 0.1  # Inside a step: at most this fraction of the step's time so far.
 MIN_SECONDS = 0.05  # Below this budget nothing is timed: one candidate's trace and runs
-# would overrun it (measured: 20-40 ms for the first one), so the heuristic's pick
-# reduces, and the next first call of that kind with a larger budget measures.
+# could overrun it, so the heuristic's pick reduces, and the next first call of that
+# kind with a larger budget measures.
 TIMED_ROUNDS = 3  # Timed calls per candidate, interleaved, after one untimed warm-up.
 
 # key -> (chosen ops, {repr of candidate: best seconds}); process-wide, guarded by _lock.
