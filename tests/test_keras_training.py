@@ -8,16 +8,20 @@ import tensorflow as tf
 
 import diststrat as ds
 from diststrat import _devices
+from diststrat._keras import _replay
 from diststrat._keras import _training
 from conftest import CPUS
 
 
-def _cross_device_edges(graphs):
+def _cross_device_edges(graphs, min_elements=0):
   """Edges of the step's graphs whose ends sit on different devices: the copies.
 
   Every op of the traced step (and of each function it calls) whose device differs from
-  the device of one of its inputs counts once per such input. Ops with no device
-  assigned are not counted.
+  the device of one of its inputs counts once per such input (of at least
+  `min_elements` elements, when known). An op with no device assigned runs where
+  TensorFlow's placer puts it: with the variable whose handle it takes, else on the
+  first device (the default device). An input of a function's op (cond, call) counts
+  in the function, where it is used.
   """
   count = 0
   graphs = list(graphs)
@@ -31,16 +35,39 @@ def _cross_device_edges(graphs):
       for inner in op.node_def.attr.values():  # Functions called by this op (cond, ...).
         if inner.HasField("func") and graph._get_function(inner.func.name) is not None:  # pylint: disable=protected-access
           graphs.append(graph._get_function(inner.func.name).graph)  # pylint: disable=protected-access
-      if not op.device:
+      if op.type in _CALLS:
         continue
       for tensor in op.inputs:
-        if tensor.op.device and (_devices.canonicalize(tensor.op.device) !=
-                                 _devices.canonicalize(op.device)):
+        if min_elements and (tensor.shape.num_elements() or 0) < min_elements:
+          continue
+        if tensor.dtype == tf.resource:  # A handle: the op runs where the variable is.
+          continue
+        if _device_of(tensor) != _device_of(op.outputs[0] if op.outputs else op):
           count += 1
   return count
 
 
-def _fit_copies(monkeypatch, keep_copies, optimizer):
+_CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "PartitionedCall",
+                    "StatefulPartitionedCall"})
+
+
+def _device_of(tensor_or_op):
+  """Where a tensor is made (a function's input: where its caller's tensor is)."""
+  if isinstance(tensor_or_op, tf.Tensor) and not hasattr(tensor_or_op, "op"):
+    return _devices.canonicalize(tensor_or_op.device)  # Eager: a captured handle.
+  op = getattr(tensor_or_op, "op", tensor_or_op)
+  if op.type == "Placeholder" and not op.device:
+    for external, internal in getattr(op.graph, "captures", ()):
+      if internal.graph is op.graph and internal.name == tensor_or_op.name:
+        return _device_of(external)
+  if not op.device:
+    for tensor in op.inputs:
+      if tensor.dtype == tf.resource:
+        return _device_of(tensor)
+  return _devices.canonicalize(op.device or CPUS[0])
+
+
+def _fit_copies(monkeypatch, keep_copies, optimizer, min_elements=0):
   graphs = []  # The graph each step's summed gradients are applied in (the step's).
   apply_summed = _training.apply_summed
 
@@ -50,7 +77,7 @@ def _fit_copies(monkeypatch, keep_copies, optimizer):
 
   monkeypatch.setattr(_training, "apply_summed", recording)
   if not keep_copies:  # The old way: every copy updated from the first device's sum.
-    monkeypatch.setattr(_training, "summed_copies", lambda value: None)
+    monkeypatch.setattr(_training, "summed_copies", lambda value, devices=(): None)
   strategy = ds.MirroredStrategy(
       CPUS, cross_tower_ops=ds.cross_tower_ops.AllReduceCrossTowerOps("naive"))
   keras.utils.set_random_seed(0)
@@ -58,22 +85,23 @@ def _fit_copies(monkeypatch, keep_copies, optimizer):
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(2)])
     model.compile(optimizer=optimizer(), loss="mse")
+  initial = [v.numpy() for v in model.trainable_variables]
   rng = np.random.default_rng(0)
   x = rng.normal(size=(16, 6)).astype(np.float32)
   y = rng.normal(size=(16, 2)).astype(np.float32)
   model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
   copies = [[c.numpy() for c in strategy.unwrap(v.value)] for v in model.trainable_variables]
   assert graphs and graphs[0].get_operations()  # Applied while the step was traced.
-  return _cross_device_edges(graphs[:1]), copies, model
+  return _cross_device_edges(graphs[:1], min_elements), copies, model, initial
 
 
 @pytest.mark.parametrize("optimizer", [lambda: keras.optimizers.SGD(0.1, momentum=0.9),
                                        lambda: keras.optimizers.Adam(0.01)],
                          ids=["sgd_momentum", "adam"])
 def test_each_copy_is_updated_from_the_sum_on_its_device(monkeypatch, optimizer):
-  before, old_copies, _ = _fit_copies(monkeypatch, keep_copies=False, optimizer=optimizer)
+  before, old_copies, _, _ = _fit_copies(monkeypatch, keep_copies=False, optimizer=optimizer)
   monkeypatch.undo()
-  after, new_copies, model = _fit_copies(monkeypatch, keep_copies=True, optimizer=optimizer)
+  after, new_copies, model, _ = _fit_copies(monkeypatch, keep_copies=True, optimizer=optimizer)
   num_variables = len(model.trainable_variables)
   # One copy from the first device to each other device, per variable, is gone.
   assert before - after >= (len(CPUS) - 1) * num_variables, (before, after)
@@ -86,3 +114,60 @@ def test_each_copy_is_updated_from_the_sum_on_its_device(monkeypatch, optimizer)
 def test_summed_copies_knows_only_the_sums_it_was_given():
   assert _training.summed_copies(tf.constant(1.0)) is None
   assert _training.summed_copies("not a tensor") is None
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda: keras.optimizers.SGD(0.1, clipnorm=0.05),
+    lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05),
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipvalue=0.01),
+    lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
+    lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, clipnorm=0.05))],
+    ids=["clipnorm", "global_clipnorm", "clipvalue", "loss_scale", "loss_scale_clipnorm"])
+def test_a_gradient_transformed_after_the_sum_is_computed_on_each_device(monkeypatch,
+                                                                         optimizer):
+  # On CPUs a copy shares the buffer, so diststrat copies there; replayed here as on GPUs.
+  monkeypatch.setattr(_replay, "REPLAY_ON_CPUS", True)
+  # Copies of more than one element: a norm or a loss scale (a scalar) is still copied.
+  before, old_copies, _, _ = _fit_copies(monkeypatch, keep_copies=False,
+                                         optimizer=optimizer, min_elements=2)
+  monkeypatch.undo()
+  monkeypatch.setattr(_replay, "REPLAY_ON_CPUS", True)
+  after, new_copies, model, initial = _fit_copies(monkeypatch, keep_copies=True,
+                                                  optimizer=optimizer, min_elements=2)
+  num_variables = len(model.trainable_variables)
+  assert before - after >= (len(CPUS) - 1) * num_variables, (before, after)
+  for old, new, start in zip(old_copies, new_copies, initial, strict=True):
+    for copy in new:
+      np.testing.assert_allclose(copy, new[0], rtol=0, atol=0)
+    np.testing.assert_allclose(new[0], old[0], rtol=1e-6, atol=1e-7)
+    assert not np.array_equal(new[0], start), "the steps changed nothing"
+
+
+def test_on_cpus_a_transformed_gradient_is_copied_not_computed_again(monkeypatch):
+  # A copy between CPU devices shares the buffer: cheaper than computing N times.
+  copied, _, _, _ = _fit_copies(monkeypatch, keep_copies=True, min_elements=2,
+                                  optimizer=lambda: keras.optimizers.SGD(0.1, clipnorm=0.05))
+  monkeypatch.undo()
+  monkeypatch.setattr(_replay, "REPLAY_ON_CPUS", True)
+  forced, _, model, _ = _fit_copies(monkeypatch, keep_copies=True, min_elements=2,
+                                    optimizer=lambda: keras.optimizers.SGD(0.1, clipnorm=0.05))
+  assert copied - forced >= (len(CPUS) - 1) * len(model.trainable_variables)
+
+
+def test_a_replayer_gives_up_where_it_cannot_compute_again():
+  devices = ["/device:GPU:0", "/device:GPU:1"]  # Only built, never run.
+  with tf.Graph().as_default():
+    total = tf.constant([1.0, 2.0])
+    other = tf.identity(total)
+    replayer = _replay.Replayer({total.ref(): {devices[0]: total, devices[1]: other}},
+                                devices)
+    scaled = total * 2.0
+    on_each = replayer.per_device(scaled)
+    assert on_each[devices[0]] is scaled
+    assert on_each[devices[1]].op.type == "Mul" and on_each[devices[1]].device == devices[1]
+    assert other in list(on_each[devices[1]].op.inputs)
+    variable_like = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[2], shared_name="v")
+    stateful = tf.raw_ops.ReadVariableOp(resource=variable_like, dtype=tf.float32) + total
+    assert replayer.per_device(stateful) is None  # A read of state: copied instead.
+    assert replayer.per_device(tf.constant([3.0, 4.0])) is None  # Depends on no sum.
+  assert replayer.per_device(tf.constant([1.0])) is None  # Eager.

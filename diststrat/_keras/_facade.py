@@ -209,7 +209,7 @@ class ExtendedAdapter:
     devices = _wrapped.devices_of(var)
 
     def local(x):
-      copies = _training.summed_copies(x)  # The sum Keras got: its copy on each device.
+      copies = _training.summed_copies(x, devices)  # The sum Keras got: its copy on each device.
       if copies is not None and all(d in copies for d in devices):
         return copies
       if isinstance(x, _wrapped.DistributedValues) and not isinstance(x, tf.Variable) and \

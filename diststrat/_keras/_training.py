@@ -45,6 +45,7 @@ from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _input
 from diststrat import _tf_internal
+from diststrat._keras import _replay
 from diststrat.values import _wrapped
 
 if typing.TYPE_CHECKING:  # _facade imports this module: no import at run time.
@@ -258,33 +259,43 @@ def apply_from_tower(adapter, optimizer, grads, trainable_variables=None):
   return None
 
 
-_summed = threading.local()  # copies: {tensor.ref(): Mirrored} while Keras applies sums
+_summed = threading.local()  # state: (copies, Replayer) while Keras applies sums
 
 
-def summed_copies(value):
-  """The `Mirrored` sum (a copy on every device) whose first device's copy is `value`.
+def summed_copies(value, devices=()):
+  """The `Mirrored` sum (a copy on every device) whose first device's copy is `value`,
+  for a variable on `devices`.
 
   While `apply_summed` runs Keras's `apply`, Keras passes the first device's sum of a
   gradient to `extended.update`; this finds the copies of that sum on the other
   devices, so that each copy of the variable is updated from the sum on its own device
-  (no copy from the first device). Returns None for anything else: a gradient Keras
-  transformed first (clipped, unscaled by a `LossScaleOptimizer`, accumulated) is a new
-  tensor on the first device, which `update` then copies to each device.
+  (no copy from the first device). A gradient Keras transformed after the sum (clipped,
+  unscaled by a `LossScaleOptimizer`) is, in a traced step, computed again on each
+  device from that device's sum (`_replay.Replayer`). Returns None for anything else
+  (eager steps, gradient accumulation): `update` then copies the value to each device.
   """
-  copies = getattr(_summed, "copies", None)
-  if not copies or not isinstance(value, tf.Tensor):
+  state = getattr(_summed, "state", None)
+  if state is None or not isinstance(value, tf.Tensor):
     return None
-  return copies.get(value.ref())
+  copies, replayer = state
+  found = copies.get(value.ref())
+  if found is not None:
+    return found
+  if not set(devices) <= set(replayer.devices):
+    return None  # A variable elsewhere (a parameter device): copied there anyway.
+  computed = replayer.per_device(value)
+  return None if computed is None else _wrapped.Mirrored(computed)
 
 
 @contextlib.contextmanager
-def _remembering(copies):
-  saved = getattr(_summed, "copies", None)
-  _summed.copies = copies
+def _remembering(copies, devices):
+  saved = getattr(_summed, "state", None)
+  sources = {ref: {d: m.get(d) for d in m.devices} for ref, m in copies.items()}
+  _summed.state = (copies, _replay.Replayer(sources, devices)) if copies else None
   try:
     yield
   finally:
-    _summed.copies = saved
+    _summed.state = saved
 
 
 def apply_summed(strategy, adapter, optimizer, grads, variables):
@@ -304,7 +315,7 @@ def apply_summed(strategy, adapter, optimizer, grads, variables):
   _applying_summed[adapter] = _applying_summed.get(adapter, 0) + 1
   try:
     with _tf_internal.tf_distribution_mode(adapter, SummedGradientsContext(adapter)), \
-        _remembering(copies):
+        _remembering(copies, strategy.worker_devices):
       type(optimizer).apply(optimizer, summed, variables)
   finally:
     _applying_summed[adapter] -= 1
