@@ -67,7 +67,7 @@ def _device_of(tensor_or_op):
   return _devices.canonicalize(op.device or CPUS[0])
 
 
-def _fit_copies(monkeypatch, keep_copies, optimizer, min_elements=0):
+def _fit_copies(monkeypatch, keep_copies, optimizer, min_elements=0, steps_per_execution=1):
   graphs = []  # The graph each step's summed gradients are applied in (the step's).
   apply_summed = _training.apply_summed
 
@@ -84,7 +84,7 @@ def _fit_copies(monkeypatch, keep_copies, optimizer, min_elements=0):
   with strategy.scope():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(2)])
-    model.compile(optimizer=optimizer(), loss="mse")
+    model.compile(optimizer=optimizer(), loss="mse", steps_per_execution=steps_per_execution)
   initial = [v.numpy() for v in model.trainable_variables]
   rng = np.random.default_rng(0)
   x = rng.normal(size=(16, 6)).astype(np.float32)
@@ -171,3 +171,19 @@ def test_a_replayer_gives_up_where_it_cannot_compute_again():
     assert replayer.per_device(stateful) is None  # A read of state: copied instead.
     assert replayer.per_device(tf.constant([3.0, 4.0])) is None  # Depends on no sum.
   assert replayer.per_device(tf.constant([1.0])) is None  # Eager.
+
+
+def test_a_transformed_gradient_in_a_multi_step_execution_trains_as_before(monkeypatch):
+  # steps_per_execution > 1: Keras runs the steps in one traced function (a loop).
+  clipped = lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05)  # noqa: E731
+  _, old_copies, _, _ = _fit_copies(monkeypatch, keep_copies=False, optimizer=clipped,
+                                    steps_per_execution=2)
+  monkeypatch.undo()
+  monkeypatch.setattr(_replay, "REPLAY_ON_CPUS", True)
+  _, new_copies, _, initial = _fit_copies(monkeypatch, keep_copies=True, optimizer=clipped,
+                                          steps_per_execution=2)
+  for old, new, start in zip(old_copies, new_copies, initial, strict=True):
+    for copy in new:
+      np.testing.assert_allclose(copy, new[0], rtol=0, atol=0)
+    np.testing.assert_allclose(new[0], old[0], rtol=1e-6, atol=1e-7)
+    assert not np.array_equal(new[0], start)

@@ -9,8 +9,8 @@ step, `per_device` builds the same computation again on each other device, from 
 device's copy of the sum: the ops between the sums and the value are replayed there.
 
 Only where a copy costs: between CPU devices of one process TensorFlow's copy shares the
-buffer (about 20 us a tensor whatever its size), cheaper than computing again, so on
-CPUs the value is copied as before (`REPLAY_ON_CPUS`, which tests set to check the
+buffer (no bytes move; docs/design/tensorflow_facts.md), cheaper than computing again,
+so on CPUs the value is copied as before (`REPLAY_ON_CPUS`, which tests set to check the
 replay on logical CPUs).
 
 What is replayed: stateless ops whose result has more than one element, back to the
@@ -30,8 +30,11 @@ from diststrat._tf import tf
 _NOT_REPLAYED = frozenset({
     "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
     "PartitionedCall", "StatefulPartitionedCall", "Switch", "Merge", "Enter", "Exit",
-    "NextIteration", "LoopCond", "Placeholder", "PlaceholderWithDefault", "Const"})
-_MAX_OPS = 512  # Ops replayed for one value at most, per device: beyond, it is copied.
+    "NextIteration", "LoopCond", "Placeholder", "PlaceholderWithDefault"})
+# Ops looked at for one value at most (replayed or not): beyond, it is copied. Clipping
+# or unscaling a gradient takes a few; a value that depends on the model's whole graph
+# (not only on the sums) is not worth walking.
+_MAX_OPS = 128
 
 # Whether to replay where every device is a CPU (see the module's docstring).
 REPLAY_ON_CPUS = False
@@ -51,7 +54,7 @@ class Replayer:
   def __init__(self, sources: dict, devices):
     self._sources = sources
     self._devices = tuple(devices)
-    self._replayed: dict = {}  # op -> {device: new op}, or None where it gave up
+    self._replayed: dict = {}  # op -> {device: new op}, or _SHARED
 
   @property
   def devices(self):
@@ -67,7 +70,7 @@ class Replayer:
       return None
     try:
       mapped = self._map(value, budget=[_MAX_OPS])
-    except _GiveUp:
+    except (_GiveUp, RecursionError):
       return None
     if mapped is _SHARED:
       return None
@@ -94,15 +97,13 @@ class Replayer:
             for d in self._devices}
 
   def _replay(self, op, budget):
-    if op.type in _NOT_REPLAYED or op.op_def.is_stateful or any(
+    budget[0] -= 1
+    if budget[0] < 0 or op.type in _NOT_REPLAYED or op.op_def.is_stateful or any(
         t.dtype in (tf.resource, tf.variant) for t in list(op.inputs) + list(op.outputs)):
       raise _GiveUp()
     inputs = [self._map(t, budget) for t in op.inputs]
     if all(i is _SHARED for i in inputs):
-      return _SHARED  # Depends on no sum: every device uses the tensor as it is.
-    budget[0] -= 1
-    if budget[0] < 0:
-      raise _GiveUp()
+      return _SHARED  # Depends on no sum (a constant): every device uses it as it is.
     attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}  # colocation
     base = re.sub(r"[^A-Za-z0-9_.\-]", "_", op.name.split("/")[-1])
     replayed = {}
