@@ -152,6 +152,16 @@ def _custom_loop_with_loss_scaling(strategy, policy, data, epochs=2):
   LossScaleOptimizer: each tower scales its part of the mean loss, takes the gradient of
   the scaled loss, and calls apply_gradients. The model and optimizer are made in the
   scope (the default strategy's for the reference)."""
+  return _custom_loop(
+      strategy, lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+      policy, data, epochs)
+
+
+def _custom_loop(strategy, make_optimizer, policy, data, epochs=2):
+  """A custom training loop (tower function, tf.function step): each tower takes the
+  gradient of its part of the mean loss (scaled, for a `LossScaleOptimizer`) and calls
+  apply_gradients. The model and optimizer are made in the scope (the default
+  strategy's for the reference)."""
   x, y = data
   weights = _model(lambda: keras.optimizers.SGD(0.1)).get_weights()
   with strategy.scope(), _policy(policy):
@@ -160,7 +170,7 @@ def _custom_loop_with_loss_scaling(strategy, policy, data, epochs=2):
         keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
         keras.layers.Dense(2, dtype="float32")])
     model.set_weights(weights)
-    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    optimizer = make_optimizer()
     batches = strategy.distribute_dataset(
         lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
 
@@ -168,7 +178,7 @@ def _custom_loop_with_loss_scaling(strategy, policy, data, epochs=2):
     with tf.GradientTape() as tape:
       errors = tf.square(tf.cast(model(xb, training=True), tf.float32) - yb)
       loss = tf.reduce_sum(errors) / (BATCH * 2)  # This tower's part of the batch mean.
-      scaled = optimizer.scale_loss(loss)
+      scaled = optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss
     grads = tape.gradient(scaled, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
     return loss
@@ -211,6 +221,30 @@ def test_loss_scale_optimizer_in_a_custom_loop_equals_one_device(strategy_name, 
   assert int(optimizer.iterations.numpy()) == int(ref_optimizer.iterations.numpy()) == 8
   assert_copies_equal(model.weights + list(optimizer.variables))
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-3 if tolerance else 1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["accumulation", "ema", "global_clipnorm"])
+@pytest.mark.parametrize("strategy_name", ["mirrored4", "ps4"])
+def test_optimizer_recipe_in_a_custom_loop_equals_one_device(strategy_name, recipe):
+  """Gradient accumulation, EMA and clipping in a custom loop's towers (tf.function
+  steps): the optimizer created in the scope applies once per step on the summed
+  gradients, so weights and optimizer variables (accumulators, EMA copies) equal the
+  default strategy's."""
+  data = _data(40)
+  reference, ref_optimizer, ref_losses = _custom_loop(
+      ds.get_distribution_strategy(), RECIPES[recipe], "float32", data)
+  model, optimizer, losses = _custom_loop(
+      STRATEGIES[strategy_name](), RECIPES[recipe], "float32", data)
+  initial = _model(lambda: keras.optimizers.SGD(0.1)).get_weights()
+  assert not np.allclose(reference.get_weights()[0], initial[0])  # It trained.
+  assert_all_close(model.get_weights(), reference.get_weights())
+  assert_all_close([v.numpy() for v in optimizer.variables],
+                   [v.numpy() for v in ref_optimizer.variables])
+  # 8 steps; with accumulation over 3, Keras counts the 2 steps that updated.
+  steps = 8 // 3 if recipe == "accumulation" else 8
+  assert int(optimizer.iterations.numpy()) == int(ref_optimizer.iterations.numpy()) == steps
+  assert_copies_equal(model.weights + list(optimizer.variables))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
 def test_mixed_float16_skips_a_step_with_non_finite_gradients_in_one_tower():
