@@ -49,6 +49,7 @@ LAYERS = [
                     "cross_tower_ops"]),
     ("strategy machinery", ["_strategy", "strategies._tower_threads",
                             "_cluster_runtime._faults", "_cluster_runtime._exposure",
+                            "_cluster_runtime._host_threads",
                             "_cluster_runtime._environment", "_cluster_runtime._cluster_spec",
                             "_cluster_runtime._watchdog",
                             "_cluster_runtime.parameter_server._read_cache",

@@ -83,7 +83,9 @@ def _reference(name, sparse, steps=STEPS):
 
 def _equivalence_fn(strategy):
   results = {"towers": strategy.num_towers, "task": (strategy.task_type, strategy.task_id),
-             "is_chief": strategy.is_chief, "devices": list(strategy.worker_devices)}
+             "is_chief": strategy.is_chief, "devices": list(strategy.worker_devices),
+             "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+             "cores": len(os.sched_getaffinity(0))}
   with strategy.scope():
     random = tf.Variable(tf.random.normal([4, 3]))  # Unseeded: differs per process alone.
   results["random"] = random.numpy().tolist()
@@ -302,6 +304,11 @@ def test_two_workers_of_two_towers_train_like_one_device():
   assert first["devices"] == [f"/job:worker/replica:0/task:0/device:CPU:{i}" for i in (0, 1)]
   assert first["ids"] == [0, 1] and second["ids"] == [2, 3]
   assert first["random"] == second["random"]  # Broadcast from the chief.
+  # Two tasks on this machine: each takes half the cores for its intra-op threads (0:
+  # TensorFlow's default, every core, when half would be all of them).
+  half = max(1, first["cores"] // 2)
+  assert first["intra_op_threads"] == second["intra_op_threads"] == (
+      half if half < first["cores"] else 0)
   for name in OPTIMIZERS:
     for sparse in (False, True):
       ref_emb, ref_w = _reference(name, sparse)

@@ -22,6 +22,7 @@ from diststrat import _tf_internal
 from diststrat import errors
 from diststrat._cluster_runtime.multi_worker import _collective_watchdog
 from diststrat._cluster_runtime import _exposure
+from diststrat._cluster_runtime import _host_threads
 from diststrat._cluster_runtime import _watchdog
 
 _PROBE_TIMEOUT = 1.0
@@ -54,6 +55,8 @@ class WorkerGroup:
     self.local_task = f"/job:{task_type}/replica:0/task:{task_id}"
     self.index = self.tasks.index(self.local_task)
     self.name = name
+    # Before TensorFlow initializes: its thread pools are made then.
+    self.intra_op_threads = _host_threads.share_cores(cluster_spec, name)
     try:
       _tf_internal.enable_cross_process_collectives(
           tf.train.ClusterSpec(cluster_spec), task_type, task_id, leader=self.tasks[0],

@@ -1,0 +1,93 @@
+"""Tasks of one cluster on one machine share its cores (`share_cores`).
+
+TensorFlow sizes a process's intra-op thread pool (the threads one op, such as a matrix
+product, splits its work over) to every core of the machine. Several worker processes
+of a cluster on one machine then each run that many threads on the same cores, and
+their ops slow each other down. When the cluster spec puts more than one task on this
+machine, a `MultiWorkerMirroredStrategy` worker takes its share of the cores for its
+intra-op pool, as `torchrun` sets `OMP_NUM_THREADS=1` for the processes it starts on one
+node. Measured in docs/benchmarks.md (2 workers on 2 cores).
+
+It changes nothing that the program chose: with `TF_NUM_INTRAOP_THREADS` set, or
+`tf.config.threading.set_intra_op_parallelism_threads` called before the strategy is
+created, TensorFlow's setting stands. The inter-op pool (how many ops run at once) is
+left to TensorFlow.
+"""
+
+import ipaddress
+import logging
+import os
+import socket
+from typing import Mapping, Optional, Sequence
+
+from diststrat._tf import tf
+
+logger = logging.getLogger("diststrat")
+
+THREADS_VARIABLE = "TF_NUM_INTRAOP_THREADS"
+
+
+def usable_cores() -> int:
+  """The cores this process may run on (its CPU affinity, which containers and
+  `taskset` narrow), else every core of the machine."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):  # pragma: no cover - not Linux
+    return os.cpu_count() or 1
+
+
+def tasks_on_this_machine(cluster_spec: Mapping[str, Sequence[str]]) -> int:
+  """How many tasks of `cluster_spec` (every job) have an address of this machine.
+
+  An address is this machine's when its host is `localhost`, this machine's host name,
+  a loopback address, or an address this machine can bind. Other names are not looked
+  up (no DNS wait here): they count as other machines.
+  """
+  return sum(_is_this_machine(address) for addresses in cluster_spec.values()
+             for address in addresses)
+
+
+def _is_this_machine(address: str) -> bool:
+  host = address.rsplit(":", 1)[0].strip("[]")
+  if host in ("localhost", socket.gethostname()):
+    return True
+  try:
+    ip = ipaddress.ip_address(host.split("%")[0])
+  except ValueError:
+    return False  # A name: not resolved here.
+  if ip.is_loopback:
+    return True
+  family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+  with socket.socket(family, socket.SOCK_STREAM) as sock:
+    try:
+      sock.bind((host, 0))
+      return True
+    except OSError:
+      return False
+
+
+def share_cores(cluster_spec: Mapping[str, Sequence[str]], name: str) -> Optional[int]:
+  """Sets this process's intra-op threads to its share of the cores, if its cluster
+  has other tasks on this machine and the program chose no thread count.
+
+  Must run before TensorFlow initializes in this process. Returns the count it set, or
+  None when it set nothing.
+  """
+  if os.environ.get(THREADS_VARIABLE) or \
+      tf.config.threading.get_intra_op_parallelism_threads() != 0:
+    return None  # The program's choice.
+  local = tasks_on_this_machine(cluster_spec)
+  cores = usable_cores()
+  share = max(1, cores // max(local, 1))
+  if local <= 1 or share >= cores:
+    return None
+  try:
+    tf.config.threading.set_intra_op_parallelism_threads(share)
+  except RuntimeError:
+    return None  # TensorFlow already runs: its pools are made.
+  logger.info(
+      "%s: %d tasks of the cluster run on this machine, which has %d cores for this "
+      "process: TensorFlow's intra-op threads set to %d in this process (set %s, or call "
+      "tf.config.threading.set_intra_op_parallelism_threads before creating the "
+      "strategy, to choose another count).", name, local, cores, share, THREADS_VARIABLE)
+  return share

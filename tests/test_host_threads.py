@@ -1,0 +1,58 @@
+"""Tasks of one cluster on one machine share its cores (_cluster_runtime/_host_threads.py)."""
+
+import socket
+
+import pytest
+import tensorflow as tf
+
+from diststrat._cluster_runtime import _host_threads
+
+
+def test_tasks_on_this_machine_counts_local_addresses_of_every_job():
+  spec = {"worker": ["127.0.0.1:1000", "localhost:1001", f"{socket.gethostname()}:1002",
+                     "[::1]:1003", "nosuchhost.invalid:1004"],
+          "ps": ["127.0.0.1:1005", "192.0.2.1:1006"]}  # 192.0.2.0/24: documentation only.
+  assert _host_threads.tasks_on_this_machine(spec) == 5
+
+
+class _Threading:
+  """tf.config.threading's intra-op calls, recorded (TensorFlow runs already here)."""
+
+  def __init__(self, monkeypatch, current=0):
+    self.current, self.set_to = current, None
+    monkeypatch.setattr(tf.config.threading, "get_intra_op_parallelism_threads",
+                        lambda: self.current)
+    monkeypatch.setattr(tf.config.threading, "set_intra_op_parallelism_threads", self.set)
+
+  def set(self, value):
+    self.set_to = value
+
+
+@pytest.mark.parametrize("cores, local, expected", [
+    (2, 2, 1), (8, 2, 4), (8, 3, 2), (2, 4, 1), (8, 1, None), (1, 2, None)])
+def test_a_worker_takes_its_share_of_the_cores(monkeypatch, cores, local, expected):
+  monkeypatch.delenv(_host_threads.THREADS_VARIABLE, raising=False)
+  monkeypatch.setattr(_host_threads, "usable_cores", lambda: cores)
+  threading = _Threading(monkeypatch)
+  spec = {"worker": [f"127.0.0.1:{1000 + i}" for i in range(local)] + ["192.0.2.1:1"]}
+  assert _host_threads.share_cores(spec, "test") == expected
+  assert threading.set_to == expected
+
+
+def test_the_programs_thread_count_stands(monkeypatch):
+  monkeypatch.setattr(_host_threads, "usable_cores", lambda: 8)
+  spec = {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]}
+  threading = _Threading(monkeypatch, current=6)  # set_intra_op_parallelism_threads(6)
+  assert _host_threads.share_cores(spec, "test") is None and threading.set_to is None
+  threading = _Threading(monkeypatch)
+  monkeypatch.setenv(_host_threads.THREADS_VARIABLE, "3")
+  assert _host_threads.share_cores(spec, "test") is None and threading.set_to is None
+
+
+def test_nothing_is_set_once_tensorflow_runs(monkeypatch):
+  monkeypatch.delenv(_host_threads.THREADS_VARIABLE, raising=False)
+  monkeypatch.setattr(_host_threads, "usable_cores", lambda: 8)
+  monkeypatch.setattr(tf.config.threading, "get_intra_op_parallelism_threads", lambda: 0)
+  tf.constant(1.0).numpy()  # TensorFlow's pools exist: it refuses a new size.
+  spec = {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]}
+  assert _host_threads.share_cores(spec, "test") is None
