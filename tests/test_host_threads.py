@@ -33,6 +33,7 @@ class _Threading:
 def test_a_worker_takes_its_share_of_the_cores(monkeypatch, cores, local, expected):
   monkeypatch.delenv(_host_threads.THREADS_VARIABLE, raising=False)
   monkeypatch.setattr(_host_threads, "usable_cores", lambda: cores)
+  monkeypatch.setattr(_host_threads, "machine_cores", lambda: cores)
   threading = _Threading(monkeypatch)
   spec = {"worker": [f"127.0.0.1:{1000 + i}" for i in range(local)] + ["192.0.2.1:1"]}
   assert _host_threads.share_cores(spec, "test") == expected
@@ -41,6 +42,7 @@ def test_a_worker_takes_its_share_of_the_cores(monkeypatch, cores, local, expect
 
 def test_the_programs_thread_count_stands(monkeypatch):
   monkeypatch.setattr(_host_threads, "usable_cores", lambda: 8)
+  monkeypatch.setattr(_host_threads, "machine_cores", lambda: 8)
   spec = {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]}
   threading = _Threading(monkeypatch, current=6)  # set_intra_op_parallelism_threads(6)
   assert _host_threads.share_cores(spec, "test") is None and threading.set_to is None
@@ -52,7 +54,36 @@ def test_the_programs_thread_count_stands(monkeypatch):
 def test_nothing_is_set_once_tensorflow_runs(monkeypatch):
   monkeypatch.delenv(_host_threads.THREADS_VARIABLE, raising=False)
   monkeypatch.setattr(_host_threads, "usable_cores", lambda: 8)
+  monkeypatch.setattr(_host_threads, "machine_cores", lambda: 8)
   monkeypatch.setattr(tf.config.threading, "get_intra_op_parallelism_threads", lambda: 0)
   tf.constant(1.0).numpy()  # TensorFlow's pools exist: it refuses a new size.
   spec = {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]}
   assert _host_threads.share_cores(spec, "test") is None
+
+
+def test_a_pinned_process_keeps_its_cores(monkeypatch):
+  # taskset/numactl/--cpu-bind chose 4 of the 16 cores for it: dividing again would
+  # leave it 2 threads on 4 cores.
+  monkeypatch.delenv(_host_threads.THREADS_VARIABLE, raising=False)
+  monkeypatch.setattr(_host_threads, "usable_cores", lambda: 4)
+  monkeypatch.setattr(_host_threads, "machine_cores", lambda: 16)
+  threading = _Threading(monkeypatch)
+  spec = {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]}
+  assert _host_threads.share_cores(spec, "test") is None and threading.set_to is None
+
+
+def test_an_address_counts_as_local_only_if_this_machine_has_it(monkeypatch):
+  monkeypatch.setattr(_host_threads, "_binds_any_address", lambda version: True)
+  # ip_nonlocal_bind=1: every address binds, so binding proves nothing.
+  assert _host_threads.tasks_on_this_machine({"worker": ["192.0.2.1:1", "127.0.0.1:2"]}) == 1
+  monkeypatch.setattr(_host_threads, "_binds_any_address", lambda version: False)
+  assert _host_threads.tasks_on_this_machine({"worker": ["192.0.2.1:1", "127.0.0.1:2"]}) == 1
+  # An address this machine has (its own, found by connecting a UDP socket: no packet).
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+    try:
+      probe.connect(("192.0.2.1", 9))
+      own = probe.getsockname()[0]
+    except OSError:
+      pytest.skip("no IPv4 route here")
+  if not own.startswith("127."):
+    assert _host_threads.tasks_on_this_machine({"worker": [f"{own}:1"]}) == 1

@@ -11,6 +11,7 @@ from diststrat import _devices
 from diststrat._keras import _replay
 from diststrat._keras import _training
 from conftest import CPUS
+from keras_cases import STRATEGIES
 
 
 def _cross_device_edges(graphs, min_elements=0):
@@ -67,7 +68,8 @@ def _device_of(tensor_or_op):
   return _devices.canonicalize(op.device or CPUS[0])
 
 
-def _fit_copies(monkeypatch, keep_copies, optimizer, min_elements=0, steps_per_execution=1):
+def _fit_copies(monkeypatch, keep_copies, optimizer, min_elements=0, steps_per_execution=1,
+                width=8):
   graphs = []  # The graph each step's summed gradients are applied in (the step's).
   apply_summed = _training.apply_summed
 
@@ -82,7 +84,7 @@ def _fit_copies(monkeypatch, keep_copies, optimizer, min_elements=0, steps_per_e
       CPUS, cross_tower_ops=ds.cross_tower_ops.AllReduceCrossTowerOps("naive"))
   keras.utils.set_random_seed(0)
   with strategy.scope():
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(width, activation="relu"),
                               keras.layers.Dense(2)])
     model.compile(optimizer=optimizer(), loss="mse", steps_per_execution=steps_per_execution)
   initial = [v.numpy() for v in model.trainable_variables]
@@ -176,14 +178,80 @@ def test_a_replayer_gives_up_where_it_cannot_compute_again():
 def test_a_transformed_gradient_in_a_multi_step_execution_trains_as_before(monkeypatch):
   # steps_per_execution > 1: Keras runs the steps in one traced function (a loop).
   clipped = lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05)  # noqa: E731
-  _, old_copies, _, _ = _fit_copies(monkeypatch, keep_copies=False, optimizer=clipped,
-                                    steps_per_execution=2)
+  before, old_copies, _, _ = _fit_copies(monkeypatch, keep_copies=False, optimizer=clipped,
+                                         steps_per_execution=2, min_elements=2)
   monkeypatch.undo()
   monkeypatch.setattr(_replay, "REPLAY_ON_CPUS", True)
-  _, new_copies, _, initial = _fit_copies(monkeypatch, keep_copies=True, optimizer=clipped,
-                                          steps_per_execution=2)
+  after, new_copies, model, initial = _fit_copies(
+      monkeypatch, keep_copies=True, optimizer=clipped, steps_per_execution=2,
+      min_elements=2)
+  assert before - after >= (len(CPUS) - 1) * len(model.trainable_variables), (before, after)
   for old, new, start in zip(old_copies, new_copies, initial, strict=True):
     for copy in new:
       np.testing.assert_allclose(copy, new[0], rtol=0, atol=0)
     np.testing.assert_allclose(new[0], old[0], rtol=1e-6, atol=1e-7)
     assert not np.array_equal(new[0], start)
+
+
+class HalvingSGD(keras.optimizers.SGD):
+  """SGD on half the gradient, halved by eager tensors the traced step captures (a
+  function captures an eager tensor of more than 128 elements as an input)."""
+
+  halves = None
+
+  def apply(self, grads, trainable_variables=None):
+    grads = list(grads)
+    if HalvingSGD.halves is None:
+      with tf.init_scope():
+        HalvingSGD.halves = [tf.fill(g.shape, 0.5) for g in grads]
+    return super().apply([g * h for g, h in zip(grads, HalvingSGD.halves, strict=True)],
+                         trainable_variables)
+
+
+def test_a_gradient_changed_by_a_captured_eager_tensor_trains_as_before(monkeypatch):
+  """The step captures the halves (eager tensors) as inputs; the replay once raised
+  AttributeError on them (an eager tensor has no op). Each device's product then reads
+  the halves from the first device: as many copies as before, of the halves instead of
+  the gradients."""
+  monkeypatch.setattr(HalvingSGD, "halves", None)
+  before, old_copies, _, _ = _fit_copies(monkeypatch, keep_copies=False, min_elements=2,
+                                         optimizer=lambda: HalvingSGD(0.1), width=64)
+  monkeypatch.undo()
+  monkeypatch.setattr(HalvingSGD, "halves", None)
+  monkeypatch.setattr(_replay, "REPLAY_ON_CPUS", True)
+  after, new_copies, model, _ = _fit_copies(monkeypatch, keep_copies=True, min_elements=2,
+                                            optimizer=lambda: HalvingSGD(0.1), width=64)
+  assert model.trainable_variables[0].shape.num_elements() > 128  # Captured, not a Const.
+  assert after <= before, (before, after)
+  for old, new in zip(old_copies, new_copies, strict=True):
+    for copy in new:
+      np.testing.assert_allclose(copy, new[0], rtol=0, atol=0)
+    np.testing.assert_allclose(new[0], old[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("replay_on_cpus", [False, True])
+@pytest.mark.parametrize("strategy_name", ["mirrored4", "ps4"])
+def test_fit_with_an_embedding_sparse_gradient_equals_one_device(monkeypatch, replay_on_cpus,
+                                                                 strategy_name):
+  """An embedding's gradient is IndexedSlices: once, fit raised AttributeError ('ref')."""
+  monkeypatch.setattr(_replay, "REPLAY_ON_CPUS", replay_on_cpus)
+  rng = np.random.default_rng(1)
+  x = rng.integers(0, 10, (16, 3)).astype(np.int32)
+  y = rng.normal(size=(16, 2)).astype(np.float32)
+
+  def train(strategy):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+      model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                                keras.layers.Embedding(10, 4), keras.layers.Flatten(),
+                                keras.layers.Dense(2)])
+      model.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=0.5), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    return model
+
+  reference = train(ds.get_distribution_strategy())
+  model = train(STRATEGIES[strategy_name]())
+  for v, ref in zip(model.trainable_variables, reference.trainable_variables, strict=True):
+    strategy = model.distribute_strategy.diststrat_strategy
+    for copy in [c.numpy() for c in strategy.unwrap(v.value)]:
+      np.testing.assert_allclose(copy, ref.numpy(), rtol=1e-5, atol=1e-6)

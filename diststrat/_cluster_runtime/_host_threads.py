@@ -10,8 +10,9 @@ node. Measured in docs/benchmarks.md (2 workers on 2 cores).
 
 It changes nothing that the program chose: with `TF_NUM_INTRAOP_THREADS` set, or
 `tf.config.threading.set_intra_op_parallelism_threads` called before the strategy is
-created, TensorFlow's setting stands. The inter-op pool (how many ops run at once) is
-left to TensorFlow.
+created, TensorFlow's setting stands; nor for a process pinned to some of the cores
+(its CPU affinity narrower than the machine), whose cores someone chose already. The
+inter-op pool (how many ops run at once) is left to TensorFlow.
 """
 
 import ipaddress
@@ -36,6 +37,10 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def machine_cores() -> int:
+  return os.cpu_count() or 1
+
+
 def tasks_on_this_machine(cluster_spec: Mapping[str, Sequence[str]]) -> int:
   """How many tasks of `cluster_spec` (every job) have an address of this machine.
 
@@ -57,13 +62,26 @@ def _is_this_machine(address: str) -> bool:
     return False  # A name: not resolved here.
   if ip.is_loopback:
     return True
+  if _binds_any_address(ip.version):
+    return False  # Any address binds here: binding proves nothing; count it elsewhere.
   family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-  with socket.socket(family, socket.SOCK_STREAM) as sock:
-    try:
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
       sock.bind((host, 0))
       return True
-    except OSError:
-      return False
+  except OSError:  # Not this machine's (or no such address family here).
+    return False
+
+
+def _binds_any_address(version):
+  """Whether this machine lets a socket bind an address it does not have (Linux's
+  `ip_nonlocal_bind`, set on load balancers)."""
+  path = f"/proc/sys/net/ipv{4 if version == 4 else 6}/ip_nonlocal_bind"
+  try:
+    with open(path, encoding="ascii") as f:
+      return f.read().strip() != "0"
+  except OSError:
+    return False
 
 
 def share_cores(cluster_spec: Mapping[str, Sequence[str]], name: str) -> Optional[int]:
@@ -76,8 +94,12 @@ def share_cores(cluster_spec: Mapping[str, Sequence[str]], name: str) -> Optiona
   if os.environ.get(THREADS_VARIABLE) or \
       tf.config.threading.get_intra_op_parallelism_threads() != 0:
     return None  # The program's choice.
-  local = tasks_on_this_machine(cluster_spec)
   cores = usable_cores()
+  if cores < machine_cores():
+    # Pinned to some cores (taskset, numactl, Slurm's --cpu-bind, a cpuset): whoever
+    # pinned it chose its share already, and TensorFlow sizes its pool to those cores.
+    return None
+  local = tasks_on_this_machine(cluster_spec)
   share = max(1, cores // max(local, 1))
   if local <= 1 or share >= cores:
     return None

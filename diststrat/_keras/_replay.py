@@ -87,6 +87,8 @@ class Replayer:
       outer = _captured_from(tensor)
       if outer is None:
         raise _GiveUp()
+      if not hasattr(outer, "op"):
+        return _SHARED  # An eager tensor the function captured: a constant.
       return self._map(outer, budget)
     if op not in self._replayed:
       self._replayed[op] = self._replay(op, budget)

@@ -288,10 +288,9 @@ def summed_copies(value, devices=()):
 
 
 @contextlib.contextmanager
-def _remembering(copies, devices):
+def _remembering(copies, sources, devices):
   saved = getattr(_summed, "state", None)
-  sources = {ref: {d: m.get(d) for d in m.devices} for ref, m in copies.items()}
-  _summed.state = (copies, _replay.Replayer(sources, devices)) if copies else None
+  _summed.state = (copies, _replay.Replayer(sources, devices)) if sources else None
   try:
     yield
   finally:
@@ -305,17 +304,24 @@ def apply_summed(strategy, adapter, optimizer, grads, variables):
       if present else []
   first_device = strategy.worker_devices[0]
   summed = [None] * len(grads)
-  copies = {}
+  copies = {}  # a dense sum's first copy -> the sum (Mirrored)
+  sources = {}  # a tensor of a first copy -> that tensor's copy on each device
   for i, value in zip(present, reduced, strict=True):
-    if isinstance(value, _wrapped.DistributedValues):
-      summed[i] = value.get(first_device)
-      copies[summed[i].ref()] = value
-    else:
+    if not isinstance(value, _wrapped.DistributedValues):
       summed[i] = value
+      continue
+    summed[i] = value.get(first_device)
+    if isinstance(summed[i], tf.Tensor):
+      copies[summed[i].ref()] = value
+      sources[summed[i].ref()] = {d: value.get(d) for d in value.devices}
+    elif isinstance(summed[i], tf.IndexedSlices):  # A sparse gradient (an embedding's).
+      for part in ("values", "indices"):
+        sources[getattr(summed[i], part).ref()] = {
+            d: getattr(value.get(d), part) for d in value.devices}
   _applying_summed[adapter] = _applying_summed.get(adapter, 0) + 1
   try:
     with _tf_internal.tf_distribution_mode(adapter, SummedGradientsContext(adapter)), \
-        _remembering(copies, strategy.worker_devices):
+        _remembering(copies, sources, strategy.worker_devices):
       type(optimizer).apply(optimizer, summed, variables)
   finally:
     _applying_summed[adapter] -= 1
