@@ -5,6 +5,7 @@ import socket
 import pytest
 import tensorflow as tf
 
+from diststrat._cluster_runtime import _exposure
 from diststrat._cluster_runtime import _host_threads
 
 
@@ -72,18 +73,24 @@ def test_a_pinned_process_keeps_its_cores(monkeypatch):
   assert _host_threads.share_cores(spec, "test") is None and threading.set_to is None
 
 
-def test_an_address_counts_as_local_only_if_this_machine_has_it(monkeypatch):
-  monkeypatch.setattr(_host_threads, "_binds_any_address", lambda version: True)
-  # ip_nonlocal_bind=1: every address binds, so binding proves nothing.
-  assert _host_threads.tasks_on_this_machine({"worker": ["192.0.2.1:1", "127.0.0.1:2"]}) == 1
-  monkeypatch.setattr(_host_threads, "_binds_any_address", lambda version: False)
-  assert _host_threads.tasks_on_this_machine({"worker": ["192.0.2.1:1", "127.0.0.1:2"]}) == 1
-  # An address this machine has (its own, found by connecting a UDP socket: no packet).
+def _own_address():
+  """A non-loopback IPv4 address of this machine (connecting a UDP socket sends nothing)."""
   with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
     try:
       probe.connect(("192.0.2.1", 9))
-      own = probe.getsockname()[0]
     except OSError:
       pytest.skip("no IPv4 route here")
-  if not own.startswith("127."):
-    assert _host_threads.tasks_on_this_machine({"worker": [f"{own}:1"]}) == 1
+    own = probe.getsockname()[0]
+  if own.startswith("127."):
+    pytest.skip("only a loopback address here")
+  return own
+
+
+def test_an_address_counts_as_local_only_if_this_machine_has_it(monkeypatch):
+  own = _own_address()
+  spec = {"worker": [f"{own}:1", "127.0.0.1:2", "192.0.2.1:3"]}
+  monkeypatch.setattr(_exposure, "_binds_any_address", lambda version: False)
+  assert _host_threads.tasks_on_this_machine(spec) == 2  # Its own address binds.
+  # ip_nonlocal_bind=1: every address binds, so binding proves nothing; only loopback.
+  monkeypatch.setattr(_exposure, "_binds_any_address", lambda version: True)
+  assert _host_threads.tasks_on_this_machine(spec) == 1

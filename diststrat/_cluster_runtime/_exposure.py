@@ -12,6 +12,10 @@ private network namespace that nothing outside reaches), so that connecting to o
 outside fails at once with the fix (`_cluster_spec.check_reachable`), not with "cannot
 be reached".
 
+And it tells whether an IP address is this machine's (`is_this_machines_address`), for
+the launcher's check of `--hosts` and for the tasks of a cluster that share a machine's
+cores (`_host_threads.py`).
+
 It imports no TensorFlow (nor `diststrat.errors`, which does): the process layer under
 `diststrat-run` reads `ISOLATED_ENV` from it, and the launcher must answer `--help`
 without TensorFlow (tests/test_launcher.py).
@@ -20,6 +24,7 @@ without TensorFlow (tests/test_launcher.py).
 import ipaddress
 import logging
 import os
+import socket
 import threading
 
 
@@ -119,3 +124,38 @@ def isolated_owner(address):
       if _split(known) == key:
         return owner
   return None
+
+
+def is_this_machines_address(ip: str, sockaddr_tail: tuple = ()) -> bool:
+  """Whether `ip` (an IP address, not a name) is this machine's: a loopback address, or
+  one a socket here can bind. `sockaddr_tail`: an IPv6 socket address's flow info and
+  scope id, as `getaddrinfo` gives them.
+
+  On a machine that lets sockets bind addresses it does not have (Linux's
+  `ip_nonlocal_bind`, set on load balancers), binding proves nothing: only loopback
+  addresses count there.
+  """
+  try:
+    address = ipaddress.ip_address(ip.split("%")[0])
+  except ValueError:
+    return False
+  if address.is_loopback:
+    return True
+  if _binds_any_address(address.version):
+    return False
+  family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+      sock.bind((ip, 0, *sockaddr_tail))
+      return True
+  except OSError:  # Not this machine's (or no such address family here).
+    return False
+
+
+def _binds_any_address(version):
+  path = f"/proc/sys/net/ipv{4 if version == 4 else 6}/ip_nonlocal_bind"
+  try:
+    with open(path, encoding="ascii") as f:
+      return f.read().strip() != "0"
+  except OSError:
+    return False

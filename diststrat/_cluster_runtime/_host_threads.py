@@ -15,13 +15,13 @@ created, TensorFlow's setting stands; nor for a process pinned to some of the co
 inter-op pool (how many ops run at once) is left to TensorFlow.
 """
 
-import ipaddress
 import logging
 import os
 import socket
 from typing import Mapping, Optional, Sequence
 
 from diststrat._tf import tf
+from diststrat._cluster_runtime import _exposure
 
 logger = logging.getLogger("diststrat")
 
@@ -54,34 +54,8 @@ def tasks_on_this_machine(cluster_spec: Mapping[str, Sequence[str]]) -> int:
 
 def _is_this_machine(address: str) -> bool:
   host = address.rsplit(":", 1)[0].strip("[]")
-  if host in ("localhost", socket.gethostname()):
-    return True
-  try:
-    ip = ipaddress.ip_address(host.split("%")[0])
-  except ValueError:
-    return False  # A name: not resolved here.
-  if ip.is_loopback:
-    return True
-  if _binds_any_address(ip.version):
-    return False  # Any address binds here: binding proves nothing; count it elsewhere.
-  family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-  try:
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-      sock.bind((host, 0))
-      return True
-  except OSError:  # Not this machine's (or no such address family here).
-    return False
-
-
-def _binds_any_address(version):
-  """Whether this machine lets a socket bind an address it does not have (Linux's
-  `ip_nonlocal_bind`, set on load balancers)."""
-  path = f"/proc/sys/net/ipv{4 if version == 4 else 6}/ip_nonlocal_bind"
-  try:
-    with open(path, encoding="ascii") as f:
-      return f.read().strip() != "0"
-  except OSError:
-    return False
+  return host in ("localhost", socket.gethostname()) or \
+      _exposure.is_this_machines_address(host)
 
 
 def share_cores(cluster_spec: Mapping[str, Sequence[str]], name: str) -> Optional[int]:
@@ -100,9 +74,11 @@ def share_cores(cluster_spec: Mapping[str, Sequence[str]], name: str) -> Optiona
     # pinned it chose its share already, and TensorFlow sizes its pool to those cores.
     return None
   local = tasks_on_this_machine(cluster_spec)
-  share = max(1, cores // max(local, 1))
-  if local <= 1 or share >= cores:
+  if local <= 1:
     return None
+  share = max(1, cores // local)
+  if share >= cores:
+    return None  # One core: nothing to divide.
   try:
     tf.config.threading.set_intra_op_parallelism_threads(share)
   except RuntimeError:

@@ -55,6 +55,8 @@ class Replayer:
     self._sources = sources
     self._devices = tuple(devices)
     self._replayed: dict = {}  # op -> {device: new op}, or _SHARED
+    self._pays = len(self._devices) > 1 and (REPLAY_ON_CPUS or any(
+        tf.DeviceSpec.from_string(d).device_type != "CPU" for d in self._devices))
 
   @property
   def devices(self):
@@ -62,11 +64,8 @@ class Replayer:
 
   def per_device(self, value: Any):
     """`{device: tensor}` computing `value` on each device, or None (copy it instead)."""
-    if not isinstance(value, tf.Tensor) or tf.executing_eagerly() or \
-        not hasattr(value, "op") or len(self._devices) < 2:
-      return None
-    if not REPLAY_ON_CPUS and all(
-        tf.DeviceSpec.from_string(d).device_type == "CPU" for d in self._devices):
+    if not self._pays or not isinstance(value, tf.Tensor) or tf.executing_eagerly() or \
+        not hasattr(value, "op"):
       return None
     try:
       mapped = self._map(value, budget=[_MAX_OPS])

@@ -65,6 +65,15 @@ def _frames_above(depth, limit):
     frame = frame.f_back
 
 
+def _local_of_caller_running(code, name, limit):
+  """The local `name` of the nearest frame, among `limit` above the function that calls
+  this one, that runs `code`; None if none does."""
+  for frame in _frames_above(2, limit):
+    if frame.f_code is code:
+      return frame.f_locals.get(name)
+  return None
+
+
 def keras_model_on_stack(max_frames, skip=1):
   """The innermost Keras model whose method runs in this thread, within `max_frames`
   frames above the caller's caller (`skip` more frames up), or None.
@@ -119,10 +128,7 @@ def keras_fit_callbacks():
   fit = getattr(inspect.unwrap(getattr(trainer, "fit", None)), "__code__", None)
   if fit is None:
     return None
-  for frame in _frames_above(1, _FIT_FRAMES_SEARCHED):
-    if frame.f_code is fit:
-      return frame.f_locals.get("callbacks")
-  return None
+  return _local_of_caller_running(fit, "callbacks", _FIT_FRAMES_SEARCHED)
 
 
 _BACKUP_PATHS = ("_weights_path", "_training_metadata_path", "_prev_weights_path",
@@ -174,10 +180,7 @@ def keras_optimizer_being_created():
   optimizer_init = _keras_code(_KERAS_OPTIMIZER_MODULE, ("BaseOptimizer", "__init__"))
   if optimizer_init is None:
     return None
-  for frame in _frames_above(1, _KERAS_FRAMES_SEARCHED):
-    if frame.f_code is optimizer_init:
-      return frame.f_locals.get("self")
-  return None
+  return _local_of_caller_running(optimizer_init, "self", _KERAS_FRAMES_SEARCHED)
 
 
 def _keras_code(module_name, path):

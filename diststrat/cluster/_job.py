@@ -16,7 +16,6 @@ computes the same one (`build_cluster_spec`).
 from typing import List, Optional, Tuple
 
 import dataclasses
-import ipaddress
 import json
 import os
 import select
@@ -27,6 +26,7 @@ import sys
 import threading
 import time
 
+from diststrat._cluster_runtime import _exposure
 from diststrat.cluster import _output
 from diststrat.cluster import _processes
 from diststrat.cluster import _task
@@ -128,21 +128,6 @@ def _addresses(host, timeout):
       "/etc/hosts), or its IP address.", USAGE_ERROR)
 
 
-def _is_this_machine(family, sockaddr):
-  """Whether an address is this machine's: a loopback one, or one it can bind."""
-  try:
-    if ipaddress.ip_address(str(sockaddr[0]).split("%")[0]).is_loopback:
-      return True
-  except ValueError:
-    return False
-  with socket.socket(family, socket.SOCK_STREAM) as sock:
-    try:
-      sock.bind((sockaddr[0], 0, *sockaddr[2:]))
-      return True
-    except OSError:
-      return False
-
-
 def check_hosts(hosts: List[str], timeout: float = _RESOLVE_TIMEOUT) -> None:
   """Refuses `--hosts` that cannot run a job: a name that does not resolve, or two names
   of one machine (its tasks would share ports: each host's start at --port-base).
@@ -151,7 +136,9 @@ def check_hosts(hosts: List[str], timeout: float = _RESOLVE_TIMEOUT) -> None:
     LaunchError: naming the host(s) and the fix (exit status 2).
   """
   resolved = {host: _addresses(host, timeout) for host in hosts}
-  local = [h for h in hosts if any(_is_this_machine(*a) for a in resolved[h])]
+  local = [h for h in hosts if any(
+      _exposure.is_this_machines_address(str(sockaddr[0]), tuple(sockaddr[2:]))
+      for _, sockaddr in resolved[h])]
   for i, a in enumerate(hosts):
     for b in hosts[i + 1:]:
       shared = sorted({s[0] for _, s in resolved[a]} & {s[0] for _, s in resolved[b]})
