@@ -292,6 +292,35 @@ def test_custom_optimizer_from_hooks(n):
   assert float(opt.get_slot(v, "count").values[0].numpy()[0]) == 6.0
 
 
+def test_step_graph_groups_the_updates_once():
+  """A traced step's no-ops grow with the devices, not with devices x variables.
+
+  The updates of every copy are grouped once for `_finish`; a group per variable added
+  a no-op per device and variable (30 here), each one more op to trace and optimize.
+  """
+  s = ds.MirroredStrategy(CPUS[:4])
+  with s.scope():
+    variables = [tf.Variable(np.full([3], float(i), np.float32)) for i in range(6)]
+    opt = optimizers.GradientDescent(0.1)
+
+  def tower_fn():
+    return opt.minimize(lambda: tf.add_n([tf.reduce_sum(v * v) for v in variables]),
+                        var_list=variables)
+
+  @tf.function
+  def step():
+    with s.scope():
+      s.call_for_each_tower(tower_fn)
+
+  graph = step.get_concrete_function().graph
+  no_ops = [op for op in graph.get_operations() if op.type == "NoOp"]
+  assert len(no_ops) <= 2 * 4 + 2, [op.name for op in no_ops]
+  step()
+  for i, v in enumerate(variables):  # d/dv sum(v^2) = 2v; the mean over towers is 2v.
+    for copy in v.values:
+      np.testing.assert_allclose(copy.numpy(), np.full([3], i * (1 - 0.2), np.float32))
+
+
 def test_keras_model_trains_on_four_towers_like_one_device():
   import keras  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(11)

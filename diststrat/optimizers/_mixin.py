@@ -79,10 +79,12 @@ class DistributedOptimizerMixin(_MixinBase):
     reduced = distribution.batch_reduce("sum", [(g, v) for g, v in pairs])
     self._create_state(var_list, distribution)
     self._prepare()
-    update_ops = [
-        distribution.group(distribution.update(
-            v, lambda component, grad: self._apply_one(grad, component), g))
-        for g, (_, v) in zip(reduced, pairs, strict=True)]  # One op each: their devices differ.
+    updates = [distribution.update(v, lambda component, grad: self._apply_one(grad, component), g)
+               for g, (_, v) in zip(reduced, pairs, strict=True)]
+    # One op that runs every copy's update (none in eager mode): a group per variable
+    # would add a no-op per device and variable to the step's graph, and `_finish` runs
+    # on every non-slot device.
+    update_ops = [op for op in [distribution.group(updates)] if op is not None]
     finish = distribution.update_non_slot(distribution.non_slot_devices(var_list),
                                           self._finish, update_ops, name or self.name)
     if global_step is not None:
