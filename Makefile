@@ -58,6 +58,7 @@ bench: install
 	$(PY) benchmarks/pipeline_benchmark.py --quick --out $(BENCH_RESULTS)/pipeline_quick.json
 	$(PY) benchmarks/ps_benchmark.py --quick --out $(BENCH_RESULTS)/ps_quick.json
 	$(PY) benchmarks/multi_worker_benchmark.py --quick --out $(BENCH_RESULTS)/multi_worker_quick.json
+	$(PY) benchmarks/tower_schedule_benchmark.py --quick --out $(BENCH_RESULTS)/tower_schedule_quick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache
