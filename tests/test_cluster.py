@@ -261,6 +261,11 @@ def _is_chief_fn(strategy):
   return strategy.is_chief
 
 
+def _threads_fn(strategy):
+  del strategy  # What the strategy's creation left in this process.
+  return tf.config.threading.get_intra_op_parallelism_threads(), len(os.sched_getaffinity(0))
+
+
 def _regression_data():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(64, 8)).astype(np.float32)
@@ -562,6 +567,11 @@ def test_two_workers_lose_no_update():
     assert cluster.run_on_workers(_read_counter_fn) == [1000, 1000]
     # docs/launch.md: a custom loop's chief (worker 0) writes the checkpoints.
     assert cluster.run_on_workers(_is_chief_fn) == [True, False]
+    # Three tasks on this machine: each worker takes a third of the cores for its
+    # intra-op threads, at least 1 (0: TensorFlow's default, when that would be all).
+    [(threads, cores), second] = cluster.run_on_workers(_threads_fn)
+    share = max(1, cores // 3)
+    assert threads == second[0] == (share if share < cores else 0), (threads, cores)
   assert all(500 <= f <= 1000 for f in finals), finals
 
 

@@ -4,9 +4,11 @@ TensorFlow sizes a process's intra-op thread pool (the threads one op, such as a
 product, splits its work over) to every core of the machine. Several worker processes
 of a cluster on one machine then each run that many threads on the same cores, and
 their ops slow each other down. When the cluster spec puts more than one task on this
-machine, a `MultiWorkerMirroredStrategy` worker takes its share of the cores for its
-intra-op pool, as `torchrun` sets `OMP_NUM_THREADS=1` for the processes it starts on one
-node. Measured in docs/benchmarks.md (2 workers on 2 cores).
+machine, a `MultiWorkerMirroredStrategy` worker, or a `ParameterServerStrategy` worker,
+takes its share of the cores for its intra-op pool, as `torchrun` sets
+`OMP_NUM_THREADS=1` for the processes it starts on one node (PS tasks keep TensorFlow's
+pool). Measured in docs/benchmarks.md (2 workers on 2 cores) and
+docs/parameter_server.md, "Threads" (1 PS and 2 workers).
 
 It changes nothing that the program chose: with `TF_NUM_INTRAOP_THREADS` set, or
 `tf.config.threading.set_intra_op_parallelism_threads` called before the strategy is

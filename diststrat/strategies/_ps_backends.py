@@ -22,6 +22,7 @@ from diststrat import _context
 from diststrat import _devices
 from diststrat import _tf_internal
 from diststrat._cluster_runtime import _cluster_spec
+from diststrat._cluster_runtime import _host_threads
 from diststrat._cluster_runtime.parameter_server import _connection
 from diststrat._cluster_runtime.parameter_server import _read_cache
 
@@ -99,13 +100,14 @@ class ClusterBackend:
 
   def __init__(self, config, worker_devices, step_timeout, wait_for_ps, default_timeout):
     spec = config.cluster_spec
+    name = f"ParameterServerStrategy of /job:{config.task_type}/replica:0/task:{config.task_id}"
+    # Before the connection initializes TensorFlow: its thread pools are made then.
+    self.intra_op_threads = _host_threads.share_cores(spec, name)
     if wait_for_ps:
       _cluster_spec.wait_for_servers(spec[_cluster_spec.PS_JOB],
                                      step_timeout or default_timeout)
     self.connection = _connection.ClusterConnection(
-        spec, config.task_type, config.task_id, step_timeout,
-        name=f"ParameterServerStrategy of /job:{config.task_type}/replica:0/task:"
-        f"{config.task_id}")
+        spec, config.task_type, config.task_id, step_timeout, name=name)
     self.ps_devices = self.connection.ps_devices
     if worker_devices is None:
       worker_devices = self.connection.local_devices()
