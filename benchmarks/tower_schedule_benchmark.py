@@ -51,7 +51,8 @@ LR = 0.01
 
 
 def build_step(tf, mb, spec, devices, schedule):
-  """A tf.function training step of `spec` over `devices`, towers ordered by `schedule`."""
+  """A tf.function training step of `spec` over `devices`, towers ordered by `schedule`,
+  and the last variable of each tower (to wait for the steps run)."""
   n = len(devices)
   x, y = mb.make_data(spec)
   xs, ys = np.array_split(x, n), np.array_split(y, n)
@@ -78,9 +79,18 @@ def build_step(tf, mb, spec, devices, schedule):
       for i, device in enumerate(devices):
         with tf.device(device):
           copies[i][j].assign_sub(LR * total)
-    return [c for tower in copies for c in tower]  # Every copy: none of the work is pruned.
+    # Returns nothing, as the libraries' steps in mirrored_benchmark.py: the updates run
+    # anyway (a tf.function keeps every stateful op), and returned values would add a
+    # read of every copy, and a copy of it at the next update while the value lives.
 
-  return step
+  return step, [tower[-1] for tower in copies]
+
+
+def wait_for(last_copies):
+  """Returns once the steps queued so far ran: reads one element of the last variable
+  updated on each device (ops on a device run in order)."""
+  for variable in last_copies:
+    variable[:1].numpy()
 
 
 def run_group(group, rounds, steps):
@@ -89,21 +99,23 @@ def run_group(group, rounds, steps):
   model, n = group.split(":")
   devices = _common.configure_devices(int(n))[:int(n)]
   spec = {"mlp": mb.mlp_spec, "cnn": mb.cnn_spec}[model]()
-  entries = [{"schedule": s, "step": build_step(tf, mb, spec, devices, s),
-              "examples_per_s": []} for s in SCHEDULES]
+  entries = []
+  for s in SCHEDULES:
+    step, last_copies = build_step(tf, mb, spec, devices, s)
+    entries.append({"schedule": s, "step": step, "last": last_copies, "examples_per_s": []})
   for entry in entries:  # Trace and warm up every schedule before timing any.
     for _ in range(3):
       entry["step"]()
-  tf.constant(0.0).numpy()
+    wait_for(entry["last"])
   for r in range(rounds):
     for entry in entries if r % 2 == 0 else list(reversed(entries)):
       start = time.perf_counter()
       for _ in range(steps):
-        out = entry["step"]()
-      out[-1].numpy()  # The last step's last update has run.
+        entry["step"]()
+      wait_for(entry["last"])
       entry["examples_per_s"].append(steps * spec["batch"] / (time.perf_counter() - start))
   for entry in entries:
-    del entry["step"]
+    del entry["step"], entry["last"]
     entry["throughput"] = _common.summarize(entry.pop("examples_per_s"))
     entry.update(model=model, towers=int(n))
   return entries

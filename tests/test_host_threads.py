@@ -52,14 +52,17 @@ def test_the_programs_thread_count_stands(monkeypatch):
   assert _host_threads.share_cores(spec, "test") is None and threading.set_to is None
 
 
-def test_nothing_is_set_once_tensorflow_runs(monkeypatch):
+def test_nothing_is_set_once_tensorflow_runs_and_the_log_says_so(monkeypatch, caplog):
   monkeypatch.delenv(_host_threads.THREADS_VARIABLE, raising=False)
   monkeypatch.setattr(_host_threads, "usable_cores", lambda: 8)
   monkeypatch.setattr(_host_threads, "machine_cores", lambda: 8)
   monkeypatch.setattr(tf.config.threading, "get_intra_op_parallelism_threads", lambda: 0)
   tf.constant(1.0).numpy()  # TensorFlow's pools exist: it refuses a new size.
   spec = {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]}
-  assert _host_threads.share_cores(spec, "test") is None
+  with caplog.at_level("INFO", logger="diststrat"):
+    assert _host_threads.share_cores(spec, "test") is None
+  assert "TensorFlow already ran in this process" in caplog.text
+  assert "give this process its share (4)" in caplog.text
 
 
 def test_a_pinned_process_keeps_its_cores(monkeypatch):

@@ -322,6 +322,37 @@ def test_step_graph_groups_the_updates_once():
       np.testing.assert_allclose(copy.numpy(), np.full([3], i * (1 - 0.2), np.float32))
 
 
+@pytest.mark.parametrize("kind", ["mirrored", "parameter_server"])
+def test_the_updates_group_sits_on_a_non_slot_device(kind):
+  """The no-ops that wait for the updates are placed: the group's root on the first
+  non-slot device, where `_finish` runs (unplaced, it would land on the caller's device,
+  and with parameter servers add a control edge to the worker and back)."""
+  if kind == "mirrored":
+    s = ds.MirroredStrategy(CPUS[:2])
+  else:
+    s = ds.ParameterServerStrategy(worker_devices=CPUS[:2], ps_devices=CPUS[2:])
+  with s.scope():
+    variables = [tf.Variable(np.ones([3], np.float32), name=f"v{i}") for i in range(4)]
+    step_counter = tf.Variable(0, dtype=tf.int64, name="step")
+    opt = optimizers.GradientDescent(0.1)
+
+  def tower_fn():
+    return opt.minimize(lambda: tf.add_n([tf.reduce_sum(v * v) for v in variables]),
+                        var_list=variables, global_step=step_counter)
+
+  @tf.function
+  def step():
+    with s.scope():
+      s.call_for_each_tower(tower_fn)
+
+  graph = step.get_concrete_function().graph
+  unplaced = [op.name for op in graph.get_operations() if op.type == "NoOp" and not op.device]
+  assert not unplaced
+  step()
+  assert int(step_counter.numpy() if kind == "parameter_server" else
+             step_counter.values[0].numpy()) == 1
+
+
 def test_keras_model_trains_on_four_towers_like_one_device():
   import keras  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(11)

@@ -83,8 +83,13 @@ def share_cores(cluster_spec: Mapping[str, Sequence[str]], name: str) -> Optiona
     return None  # One core: nothing to divide.
   try:
     tf.config.threading.set_intra_op_parallelism_threads(share)
-  except RuntimeError:
-    return None  # TensorFlow already runs: its pools are made.
+  except RuntimeError:  # TensorFlow already runs: its pools are made.
+    logger.info(
+        "%s: %d tasks of the cluster run on this machine, but TensorFlow already ran in "
+        "this process, so its intra-op pool keeps a thread per core (%d). Create the "
+        "strategy before any TensorFlow op, or set %s, to give this process its share "
+        "(%d).", name, local, cores, THREADS_VARIABLE, share)
+    return None
   logger.info(
       "%s: %d tasks of the cluster run on this machine, which has %d cores for this "
       "process: TensorFlow's intra-op threads set to %d in this process (set %s, or call "

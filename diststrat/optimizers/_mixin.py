@@ -6,6 +6,7 @@ from diststrat._tf import tf
 from diststrat import _context
 from diststrat import errors
 from diststrat.optimizers import _optimizer
+from diststrat.values import _wrapped
 
 # The mixin goes before `Optimizer` in a subclass's bases; the type checker reads it as
 # an `Optimizer` subclass, so that it knows what `super()` and `self` have.
@@ -81,12 +82,15 @@ class DistributedOptimizerMixin(_MixinBase):
     self._prepare()
     updates = [distribution.update(v, lambda component, grad: self._apply_one(grad, component), g)
                for g, (_, v) in zip(reduced, pairs, strict=True)]
+    non_slot = distribution.non_slot_devices(var_list)
     # One op that runs every copy's update (none in eager mode): a group per variable
     # would add a no-op per device and variable to the step's graph, and `_finish` runs
-    # on every non-slot device.
-    update_ops = [op for op in [distribution.group(updates)] if op is not None]
-    finish = distribution.update_non_slot(distribution.non_slot_devices(var_list),
-                                          self._finish, update_ops, name or self.name)
+    # on every non-slot device. The group's root sits on the first of them, where
+    # `_finish` waits for it (unplaced, it would land on the caller's device: with
+    # parameter servers, a control edge to the worker and back).
+    with tf.device(_wrapped.devices_of(non_slot)[0]):
+      update_ops = [op for op in [distribution.group(updates)] if op is not None]
+    finish = distribution.update_non_slot(non_slot, self._finish, update_ops, name or self.name)
     if global_step is not None:
       deps = [c for leaf in tf.nest.flatten(finish) for c in distribution.unwrap(leaf)]
       with _optimizer.control_dependencies(deps):
