@@ -350,3 +350,29 @@ def test_a_batch_smaller_than_the_tower_count_trains_like_one_device(run_eagerly
   for got, want in zip(towers[2], reference[2], strict=True):
     np.testing.assert_allclose(got, want, atol=1e-6)
   np.testing.assert_allclose(towers[3], reference[3], atol=1e-6)
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_an_empty_tower_adds_no_nan_through_batch_normalization(run_eagerly):
+  """Batches of 1 over 4 towers: tower 0 gets the example, towers 1-3 none. Their
+  BatchNormalization's batch mean is 0 / 0, and gamma's gradient got nan from it, which
+  the sum spread to every copy. Tower 0 normalizes over the same one example as one
+  device, so the weights must be one device's."""
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(3, 5)).astype(np.float32)
+  y = rng.normal(size=(3, 2)).astype(np.float32)
+
+  def run(strategy):
+    with strategy.scope():
+      keras.utils.set_random_seed(1)
+      model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                                keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+      model.compile(keras.optimizers.SGD(0.1), "mse", run_eagerly=run_eagerly)
+    model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0)
+    return [(w.path.split("/")[-1], w.numpy()) for w in model.weights]
+
+  reference = run(ds.DefaultStrategy())
+  towers = run(ds.MirroredStrategy(CPUS))
+  for (name, got), (_, want) in zip(towers, reference, strict=True):
+    assert np.isfinite(got).all(), name
+    np.testing.assert_allclose(got, want, atol=1e-5, err_msg=name)

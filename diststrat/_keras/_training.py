@@ -253,10 +253,42 @@ def apply_from_tower(adapter, optimizer, grads, trainable_variables=None):
       _tf_internal.keras_optimizer_strategy(optimizer) is not adapter or \
       _applying_summed.get(adapter, 0):
     return type(optimizer).apply(optimizer, grads, trainable_variables)
-  grads = list(grads)
+  grads = _nothing_without_an_example(list(grads), tower.batch_share)
   variables = None if trainable_variables is None else list(trainable_variables)
   tower.merge_call(apply_summed, adapter, optimizer, grads, variables)
   return None
+
+
+def _nothing_without_an_example(grads, share):
+  """The tower's gradients, or zeros when its part of the batch has no example.
+
+  A model's gradients on no example are mostly sums over nothing, 0, but not all:
+  `BatchNormalization`'s batch mean of no example is 0 / 0, and its gamma's gradient
+  gets nan from it, which the sum would spread to every tower. `share` is the tower's
+  n / B (None when it was given no part of a batch: every tower counts). In a traced
+  step the choice is a `tf.cond` that passes the gradients through (no copy) or zeros.
+  """
+  if share is None:
+    return grads
+  present = [i for i, g in enumerate(grads) if g is not None]
+  if not present:
+    return grads
+
+  def zeros():
+    return [tf.IndexedSlices(tf.zeros_like(grads[i].values), grads[i].indices,
+                             grads[i].dense_shape)
+            if isinstance(grads[i], tf.IndexedSlices) else tf.zeros_like(grads[i])
+            for i in present]
+
+  if isinstance(share, (int, float)):
+    chosen = [grads[i] for i in present] if share > 0 else zeros()
+  else:
+    chosen = tf.cond(tf.cast(share, tf.float32) > 0,
+                     lambda: [grads[i] for i in present], zeros)
+  result = list(grads)
+  for i, g in zip(present, chosen, strict=True):
+    result[i] = g
+  return result
 
 
 _summed = threading.local()  # state: (copies, Replayer) while Keras applies sums
