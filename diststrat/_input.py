@@ -3,6 +3,7 @@
 from typing import Any, Sequence
 
 from diststrat._tf import tf
+from diststrat import _tf_internal
 from diststrat.values import _wrapped
 
 
@@ -154,3 +155,21 @@ def split_sizes(batch_size, num_towers):
         f"{num_towers} (or drop_remainder=True when batching).")
   base, extra = divmod(batch_size, num_towers)
   return [base + 1 if i < extra else base for i in range(num_towers)]
+
+
+def _for_loop_in_a_function(iter_, *unused_loop_parts):
+  """AutoGraph's `for` over a `PerDeviceDataset` or `PerDeviceIterator` in a traced
+  function: refused with the fix. In a graph, `next` of a dataset's iterator gives
+  tensors and never raises `StopIteration`, so the Python loop AutoGraph would run
+  instead traces forever."""
+  error = TypeError(
+      f"A for loop over a {type(iter_).__name__} (from distribute_dataset()) inside a "
+      "tf.function cannot end: in a graph the next batch is a tensor and the loop would "
+      "be traced forever. Loop outside the function and call it on each batch "
+      "(for batch in data: step(batch)), or pass an iterator into the function and call "
+      "next() there (it = iter(data); step(it)).")
+  raise _tf_internal.pass_through_autograph(error)
+
+
+_tf_internal.register_for_loop(PerDeviceDataset, _for_loop_in_a_function)
+_tf_internal.register_for_loop(PerDeviceIterator, _for_loop_in_a_function)

@@ -574,8 +574,10 @@ class DistributionStrategy:
       gathered = components[0]
     else:
       with tf.device(self._worker_devices()[0]):
-        if all(getattr(c, "shape", None) is not None and c.shape.rank == 0
-               for c in components):
+        # Python numbers and numpy values too (a numpy shape is a tuple).
+        components = [c if isinstance(c, (tf.Tensor, tf.Variable)) else tf.convert_to_tensor(c)
+                      for c in components]
+        if all(c.shape.rank == 0 for c in components):
           gathered = tf.stack(components)
         else:
           gathered = tf.concat(components, axis=axis)

@@ -62,6 +62,26 @@ def test_nested_structures_split_leaf_by_leaf():
   np.testing.assert_array_equal(labels.values[1], y[3:])
 
 
+@pytest.mark.timeout(60)
+def test_a_for_loop_over_the_dataset_in_a_tf_function_is_refused_not_traced_forever():
+  """In a graph `next` of a dataset iterator never raises StopIteration, so AutoGraph's
+  Python loop over a PerDeviceDataset traced forever."""
+  s = ds.MirroredStrategy(CPUS)
+  data = s.distribute_dataset(lambda: tf.data.Dataset.range(12).batch(4))
+
+  @tf.function
+  def loop(iterable):
+    total = tf.constant(0, tf.int64)
+    for batch in iterable:
+      total += s.unwrap(s.reduce("sum", batch))[0]
+    return total
+
+  for iterable in (data, iter(data)):
+    with pytest.raises(TypeError, match=r"A for loop over a PerDevice(Dataset|Iterator) .*"
+                                        r"inside a tf.function cannot end.*step\(it\)"):
+      loop(iterable)
+
+
 def test_iterate_inside_tf_function_and_one_shot_iterator():
   s = ds.MirroredStrategy(CPUS)
   with s.scope():

@@ -33,6 +33,7 @@ objects are.
 
 from diststrat._tf_internal._autograph import pass_through_autograph as pass_through_autograph
 from diststrat._tf_internal._autograph import pass_through_autograph_class as pass_through_autograph_class
+from diststrat._tf_internal._autograph import register_for_loop as register_for_loop
 from diststrat._tf_internal._autograph import remove_autograph_generated_files as remove_autograph_generated_files
 from diststrat._tf_internal._base import PROTOCOL_NAMES as PROTOCOL_NAMES
 from diststrat._tf_internal._base import PROTOCOLS as PROTOCOLS

@@ -57,3 +57,16 @@ def remove_autograph_generated_files(modules=None):
       except OSError:
         pass  # Already gone.
   return removed
+
+
+def register_for_loop(cls, for_stmt):
+  """Makes AutoGraph call `for_stmt(iter_, extra_test, body, get_state, set_state,
+  symbol_names, opts)` for a `for` loop over a `cls` in a converted function, instead of
+  running the loop in Python (which, over an iterator whose `next` never ends in a
+  graph, would trace forever). Returns False where TensorFlow has no such registry."""
+  try:
+    from tensorflow.python.autograph.operators import control_flow  # pylint: disable=g-import-not-at-top
+    control_flow.for_loop_registry.register(cls, for_stmt)
+  except (ImportError, AttributeError):  # pragma: no cover - another TensorFlow
+    return False
+  return True

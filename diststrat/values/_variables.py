@@ -300,8 +300,9 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     for device, component in self._index.items():
       with tf.device(device):
         v = _wrapped.select_device(device, value)
-        if scale is not None:
-          v = tf.convert_to_tensor(v, dtype=self.dtype) * tf.cast(scale, self.dtype)
+        weight = scale[device] if isinstance(scale, dict) else scale
+        if weight is not None:
+          v = tf.convert_to_tensor(v, dtype=self.dtype) * tf.cast(weight, self.dtype)
         ops.append(getattr(component, method)(v, read_value=False))
     if read_value:
       return self
@@ -470,7 +471,10 @@ class TowerLocalVariable(DistributedVariable):
       if self._strategy is not None:  # Several worker processes: every copy of every one.
         total = self._strategy._sum_across_processes(total)
       if self._aggregation == tf.VariableAggregation.MEAN:
-        total = total / tf.cast(self._num_copies(), total.dtype)
+        # Integers keep their dtype (floor division), as in reductions; `/` would give
+        # a float64.
+        count = tf.cast(self._num_copies(), total.dtype)
+        total = total // count if total.dtype.is_integer else total / count
     return total
 
   def _num_copies(self):
@@ -500,20 +504,33 @@ class TowerLocalVariable(DistributedVariable):
     return self._write_all(method, value, read_value, scale=self._split_scale(method))
 
   def _split_scale(self, method):
-    # For a sum, spread the value (or delta) over the copies so that they add up to it.
+    """For a sum, how the value (or delta) is spread over the copies so that they add up
+    to it: each takes 1/N of a float; an integer goes whole to one copy (the first of
+    the chief process) and 0 to the others, since 1/N of it would round to 0. None for
+    other aggregations: every copy takes the value. A dict maps device to weight."""
     del method
-    if self._aggregation == tf.VariableAggregation.SUM:
+    if self._aggregation != tf.VariableAggregation.SUM:
+      return None
+    if not (self.dtype.is_integer or self.dtype == tf.bool):
       return 1.0 / self._num_copies()
-    return None
+    chief = self._strategy is None or getattr(self._strategy, "is_chief", True)
+    first = next(iter(self._index))
+    return {device: 1 if chief and device == first else 0 for device in self._index}
 
   def _saved_value(self):
     return self._aggregate()
 
   def _restore_value(self, value):
     scale = self._split_scale("assign")
-    if scale is not None:
-      value = tf.cast(value, self.dtype) * tf.cast(scale, self.dtype)
-    return super()._restore_value(value)
+    if scale is None:
+      return super()._restore_value(value)
+    ops = []
+    for device, component in self._index.items():
+      weight = scale[device] if isinstance(scale, dict) else scale
+      with tf.device(device):
+        ops.append(component.assign(tf.cast(value, self.dtype) * tf.cast(weight, self.dtype),
+                                    read_value=False))
+    return None if tf.executing_eagerly() else tf.group(*ops)
 
 
 # One registration covers every distributed variable: TensorFlow then reads the
