@@ -43,7 +43,15 @@ def add_variable_creation_hook(hook):
 
 def _needs_cross_tower(wrapped, instance, args, kwargs):
   with instance._cross_tower_guard(wrapped.__name__):
-    return wrapped(*args, **kwargs)
+    try:
+      return wrapped(*args, **kwargs)
+    except Exception as e:
+      # Inside a tf.function, AutoGraph would rebuild it with "in user code:" in front,
+      # or as a StagingError: an argument check, or an error of the functions the
+      # method ran (a tower's, a merge_fn's), keeps its type and message instead, under
+      # every strategy (the default one runs them in this thread, with no tower thread
+      # to mark them).
+      raise _tf_internal.pass_through_autograph(e)
 
 
 def cross_tower_method(method):

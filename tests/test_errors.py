@@ -52,6 +52,43 @@ def test_a_towers_exception_keeps_type_and_tower():
   assert "(raised in tower 3 of MirroredStrategy" in _text(error)
 
 
+class _MyError(Exception):
+  pass
+
+
+@pytest.mark.parametrize("raised", ["tower", "merge_fn", "zero_division"])
+def test_the_default_strategys_errors_keep_type_and_message(raised):
+  """The default strategy runs the tower and merge_fn in this thread: AutoGraph rebuilt
+  their errors with "in user code:" in front, or a ZeroDivisionError as StagingError."""
+  def fn():
+    if raised == "tower":
+      raise KeyError("boom from the tower")
+    if raised == "merge_fn":
+      return ds.get_tower_context().merge_call(
+          lambda s: (_ for _ in ()).throw(_MyError("boom from merge_fn")))
+    return ds.get_tower_context().merge_call(lambda s: 1 / 0)
+
+  error = _same_in_both_modes(ds.get_distribution_strategy(), fn)
+  assert type(error) is {"tower": KeyError, "merge_fn": _MyError,
+                         "zero_division": ZeroDivisionError}[raised]
+
+
+@pytest.mark.parametrize("strategy", ["default", "mirrored"])
+def test_an_argument_error_keeps_its_message_in_a_tf_function(strategy):
+  s = ds.get_distribution_strategy() if strategy == "default" else ds.MirroredStrategy(CPUS)
+
+  def bad():
+    return s.reduce("median", tf.constant(1.0))
+
+  with s.scope():
+    with pytest.raises(ValueError) as eager:
+      bad()
+    with pytest.raises(ValueError) as traced:
+      tf.function(bad)()
+  assert str(traced.value) == str(eager.value)
+  assert not str(traced.value).startswith("in user code")
+
+
 def test_nested_merge_fn_exception_keeps_type_and_every_level():
   strategy = ds.MirroredStrategy(CPUS[:2])
 
