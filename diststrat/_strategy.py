@@ -51,7 +51,8 @@ def _needs_cross_tower(wrapped, instance, args, kwargs):
       # method ran (a tower's, a merge_fn's), keeps its type and message instead, under
       # every strategy (the default one runs them in this thread, with no tower thread
       # to mark them).
-      raise _tf_internal.pass_through_autograph(e)
+      _tf_internal.pass_through_autograph(e)
+      raise
 
 
 def cross_tower_method(method):
