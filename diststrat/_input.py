@@ -157,11 +157,17 @@ def split_sizes(batch_size, num_towers):
   return [base + 1 if i < extra else base for i in range(num_towers)]
 
 
-def _for_loop_in_a_function(iter_, *unused_loop_parts):
-  """AutoGraph's `for` over a `PerDeviceDataset` or `PerDeviceIterator` in a traced
-  function: refused with the fix. In a graph, `next` of a dataset's iterator gives
+def _for_loop_in_a_function(iter_, extra_test, body, *unused_loop_state):
+  """AutoGraph's `for` over a `PerDeviceDataset` or `PerDeviceIterator`: in a traced
+  function, refused with the fix (in a graph, `next` of a dataset's iterator gives
   tensors and never raises `StopIteration`, so the Python loop AutoGraph would run
-  instead traces forever."""
+  instead traces forever); converted code run eagerly loops in Python, as before."""
+  if tf.executing_eagerly():
+    for element in iter_:
+      if extra_test is not None and not extra_test():
+        break
+      body(element)
+    return
   error = TypeError(
       f"A for loop over a {type(iter_).__name__} (from distribute_dataset()) inside a "
       "tf.function cannot end: in a graph the next batch is a tensor and the loop would "

@@ -81,6 +81,15 @@ def test_a_for_loop_over_the_dataset_in_a_tf_function_is_refused_not_traced_fore
                                         r"inside a tf.function cannot end.*step\(it\)"):
       loop(iterable)
 
+  def python_loop(iterable):
+    total = 0
+    for batch in iterable:
+      total += int(s.unwrap(s.reduce("sum", batch))[0].numpy().sum())
+    return total
+
+  # Converted code run eagerly still loops in Python.
+  assert tf.autograph.to_graph(python_loop)(data) == python_loop(data) == sum(range(12))
+
 
 def test_iterate_inside_tf_function_and_one_shot_iterator():
   s = ds.MirroredStrategy(CPUS)
