@@ -589,6 +589,21 @@ def test_parameter_server_job_shares_variables(tmp_path):
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(90)
+def test_a_bad_launch_is_not_restarted(tmp_path):
+  """--max-restarts restarts a job whose task failed; a launch that cannot start (here a
+  log file that is a directory) fails once, saying so, without a traceback."""
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  (tmp_path / "logs" / "attempt_0" / "worker_0.log").mkdir(parents=True)
+  proc = _launch(["--workers", "1", "--max-restarts", "2", "--log-dir",
+                  str(tmp_path / "logs"), str(script)], tmp_path, timeout=60)
+  assert proc.returncode == 1, proc.stderr[-4000:]
+  assert "--log-dir: cannot create" in proc.stderr and "(Is a directory)" in proc.stderr
+  assert "not restarting: --max-restarts does not apply to this failure" in proc.stderr
+  assert "restarting the job" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.processes
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 30)
 def test_a_killed_worker_restarts_the_job_which_resumes_from_its_checkpoint(tmp_path):
   script = _write(tmp_path, "train.py", _TRAIN_MWMS)
@@ -900,7 +915,7 @@ def test_job_timeout_stops_a_hung_job(tmp_path):
   assert proc.returncode == 124, proc.stderr[-4000:]
   assert ("The job ran longer than --job-timeout 3 s (restarts included) and was stopped. "
           "If it needs longer, give a larger --job-timeout.") in proc.stderr
-  assert "The other tasks were stopped" in proc.stderr
+  assert "Its tasks were stopped." in proc.stderr  # No task failed: the timeout stopped them.
   assert time.monotonic() - start < 90  # Not the workers' 600 s sleep.
 
 

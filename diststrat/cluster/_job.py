@@ -309,11 +309,14 @@ class _Job:
     if self._plan.log_dir is None:
       return None
     directory = os.path.join(self._plan.log_dir, f"attempt_{self._attempt}")
+    path = os.path.join(directory, f"{task_type}_{task_id}.log")
     try:
       os.makedirs(directory, exist_ok=True)
+      open(path, "wb").close()  # noqa: SIM115 - the task's output opens it again.
     except OSError as e:
-      raise LaunchError(f"--log-dir: cannot create {directory!r} ({e.strerror}).", 1) from e
-    return os.path.join(directory, f"{task_type}_{task_id}.log")
+      raise LaunchError(f"--log-dir: cannot create {e.filename or directory!r} "
+                        f"({e.strerror}).", 1) from e
+    return path
 
   def start(self) -> Optional[_Failure]:
     """Starts this host's tasks, PS tasks first (each must serve before the workers
@@ -436,9 +439,12 @@ def _summary(failure: _Failure) -> None:
     return
   task = failure.task
   lines = task.output.last_lines()
-  say(f"the job failed. Root cause: task {task.name}, the first to fail, {failure.how} "
-      f"(exit status {failure.status}). " +
-      ("Its last lines:" if lines else "It wrote nothing."))
+  # A task killed by signal N is described with its returncode (-N); the launcher exits
+  # with the shell's 128 + N.
+  status = (f"; the launcher's exit status is {failure.status}" if "signal" in failure.how
+            else f" (exit status {failure.status})")
+  say(f"the job failed. Root cause: task {task.name}, the first to fail, {failure.how}"
+      f"{status}. " + ("Its last lines:" if lines else "It wrote nothing."))
   if lines:
     sys.stderr.write("".join(f"  [{task.name}] {line}\n" for line in lines))
     sys.stderr.flush()
@@ -493,8 +499,8 @@ def run_job(plan: JobPlan) -> int:
       job = _Job(plan, attempt, network, deadline)
       try:
         failure = job.start() or job.wait()
-      except LaunchError as e:
-        failure = _Failure(None, e.status, str(e))
+      except LaunchError as e:  # A bad launch: starting again would fail the same way.
+        failure = _Failure(None, e.status, str(e), restart=False)
       finally:
         # SIGINT/SIGTERM wait until every task is stopped, then interrupt.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
@@ -505,11 +511,16 @@ def run_job(plan: JobPlan) -> int:
       if failure is None:
         return 0
       others = [t for t in job.tasks if t is not failure.task]
-      say(failure.message + (" The other tasks were stopped." if others else ""))
+      stopped = " The other tasks were stopped." if failure.task is not None else (
+          " Its tasks were stopped." if others else "")
+      say(failure.message + stopped)
       if attempt >= plan.max_restarts or not failure.restart:
-        if plan.max_restarts:
+        if plan.max_restarts and failure.restart:
           say(f"giving up after {attempt} restart(s) (--max-restarts "
               f"{plan.max_restarts}); exit status {failure.status}.")
+        elif plan.max_restarts:
+          say(f"not restarting: --max-restarts does not apply to this failure; exit "
+              f"status {failure.status}.")
         _summary(failure)
         return failure.status
       attempt += 1
