@@ -47,10 +47,9 @@ def _needs_cross_tower(wrapped, instance, args, kwargs):
       return wrapped(*args, **kwargs)
     except Exception as e:
       # Inside a tf.function, AutoGraph would rebuild it with "in user code:" in front,
-      # or as a StagingError: an argument check, or an error of the functions the
-      # method ran (a tower's, a merge_fn's), keeps its type and message instead, under
-      # every strategy (the default one runs them in this thread, with no tower thread
-      # to mark them).
+      # without its notes, or as a StagingError. Marked here, the one place for every
+      # strategy, an argument check or an error of the functions the method ran (a
+      # tower's, a merge_fn's, with the notes saying where) keeps its type and text.
       _tf_internal.pass_through_autograph(e)
       raise
 

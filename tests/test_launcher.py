@@ -958,7 +958,7 @@ def test_a_failed_job_ends_with_a_summary_of_its_root_cause(tmp_path):
   summary = proc.stderr[proc.stderr.index("diststrat-run: the job failed."):].splitlines()
   assert summary[:5] == [
       "diststrat-run: the job failed. Root cause: task worker:1, the first to fail, exited "
-      "with code 1 (exit status 1). Its last lines:",
+      "with code 1; the launcher's exit status is 1. Its last lines:",
       "  [worker:1] Traceback (most recent call last):",
       f'  [worker:1]   File "{script}", line 10, in <module>',
       "  [worker:1]     divide(0)",

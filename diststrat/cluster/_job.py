@@ -439,12 +439,10 @@ def _summary(failure: _Failure) -> None:
     return
   task = failure.task
   lines = task.output.last_lines()
-  # A task killed by signal N is described with its returncode (-N); the launcher exits
-  # with the shell's 128 + N.
-  status = (f"; the launcher's exit status is {failure.status}" if "signal" in failure.how
-            else f" (exit status {failure.status})")
-  say(f"the job failed. Root cause: task {task.name}, the first to fail, {failure.how}"
-      f"{status}. " + ("Its last lines:" if lines else "It wrote nothing."))
+  # `how` may give a killed task's returncode (-N); the launcher exits with 128 + N.
+  say(f"the job failed. Root cause: task {task.name}, the first to fail, {failure.how}; "
+      f"the launcher's exit status is {failure.status}. " +
+      ("Its last lines:" if lines else "It wrote nothing."))
   if lines:
     sys.stderr.write("".join(f"  [{task.name}] {line}\n" for line in lines))
     sys.stderr.flush()

@@ -24,7 +24,6 @@ import types
 
 from diststrat._tf import tf
 from diststrat import _context
-from diststrat import _tf_internal
 from diststrat import errors
 from diststrat.values import _wrapped
 
@@ -267,8 +266,8 @@ class TowerRunner:
       error = tower.error
       errors.add_note(error, f"(raised in tower {tower.tower_id} of {self.strategy!r}, "
                      f"on device {tower.device})")
-      # Inside a tf.function, AutoGraph would rebuild the error without its notes.
-      _tf_internal.pass_through_autograph(error)
+      # It passes through AutoGraph as itself, notes included: `call_for_each_tower`
+      # marks every error it raises (`_strategy._needs_cross_tower`).
       raise error.with_traceback(error.__traceback__)
 
   def _mismatch(self, towers):
@@ -295,7 +294,6 @@ class TowerRunner:
         if not isinstance(e, _Aborted):
           errors.add_note(e, f"(raised in merge_fn {_describe_fn(first.merge_fn)} "
                          f"called by towers 0-{len(towers) - 1} of {self.strategy!r})")
-          _tf_internal.pass_through_autograph(e)
         raise
       finally:
         if self.step_cache is not None:

@@ -511,7 +511,7 @@ class TowerLocalVariable(DistributedVariable):
     del method
     if self._aggregation != tf.VariableAggregation.SUM:
       return None
-    if not (self.dtype.is_integer or self.dtype == tf.bool):
+    if not self.dtype.is_integer:
       return 1.0 / self._num_copies()
     chief = self._strategy is None or getattr(self._strategy, "is_chief", True)
     first = next(iter(self._index))
@@ -521,16 +521,9 @@ class TowerLocalVariable(DistributedVariable):
     return self._aggregate()
 
   def _restore_value(self, value):
-    scale = self._split_scale("assign")
-    if scale is None:
-      return super()._restore_value(value)
-    ops = []
-    for device, component in self._index.items():
-      weight = scale[device] if isinstance(scale, dict) else scale
-      with tf.device(device):
-        ops.append(component.assign(tf.cast(value, self.dtype) * tf.cast(weight, self.dtype),
-                                    read_value=False))
-    return None if tf.executing_eagerly() else tf.group(*ops)
+    # The saved aggregate, split over the copies as a cross-tower assign splits it.
+    return self._write_all("assign", tf.cast(value, self.dtype), read_value=False,
+                           scale=self._split_scale("assign"))
 
 
 # One registration covers every distributed variable: TensorFlow then reads the
