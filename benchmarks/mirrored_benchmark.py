@@ -14,7 +14,12 @@ machine drifts up to 2x between runs, so only same-run ratios mean anything):
       returns every copy of every result (TensorFlow prunes what a function does not
       return, so returning one copy would skip the copies to the other devices);
   (d) peak memory (resident set) of a 4-tower MLP training run, one fresh process per
-      contender, against tf.distribute's default (its collective all-reduce here).
+      contender, against tf.distribute's default (its collective all-reduce here);
+  (e) with --parts=first_call only: where a first call's time goes, for the steps of (a):
+      the build (strategy, variables, inputs), the trace (`get_concrete_function`), the
+      first run (TensorFlow's graph optimizations and kernels' set-up, and the step
+      itself) and, for scale, a second run; FIRST_CALL_ROUNDS rounds in alternating
+      order, medians.
 
 Ratios are printed against tf.distribute's default cross-device ops and against its
 best one in the same run.
@@ -27,6 +32,7 @@ Usage:
   python benchmarks/mirrored_benchmark.py --out benchmarks/results/mirrored.json
   python benchmarks/mirrored_benchmark.py --quick   # a short smoke run
   python benchmarks/mirrored_benchmark.py --parts=batch_reduce   # (c) only
+  python benchmarks/mirrored_benchmark.py --parts=first_call --towers=2,4,8   # (e)
 """
 
 import json
@@ -49,8 +55,9 @@ from _step_models import (  # pylint: disable=g-import-not-at-top,wrong-import-p
 flags.DEFINE_string("out", "benchmarks/results/mirrored.json", "Where to write the JSON report.")
 flags.DEFINE_bool("quick", False, "A short smoke run.")
 flags.DEFINE_integer("rounds", None, "Timed blocks per contender (default 7; 2 with --quick).")
-flags.DEFINE_multi_enum("parts", None, ["steps", "batch_reduce", "memory"],
-                        "What to measure (repeatable; default all, without memory with --quick).")
+flags.DEFINE_multi_enum("parts", None, ["steps", "batch_reduce", "memory", "first_call"],
+                        "What to measure (repeatable; default steps, batch_reduce and memory, "
+                        "without memory with --quick; first_call only when named).")
 flags.DEFINE_list("towers", None, "Tower counts of the step tables (default 1,2,4; 1,4 with "
                   "--quick). Counts above 4 split the CPU into that many logical devices.")
 flags.DEFINE_string("group", None, "Internal: run one group of contenders in this process.")
@@ -380,6 +387,57 @@ def peak_memory(library, ops_name, steps):
                                          f"{ops_name}", timeout=600))
 
 
+FIRST_CALL_ROUNDS = 7  # Rounds of the first-call breakdown (part (e)).
+FIRST_CALL_CONTENDERS = ("diststrat default", "diststrat naive", "tf.distribute default",
+                         "tf.distribute one_device", "no strategy (1 device)")
+
+
+def run_first_call_parts(spec, devices, n, rounds):
+  """Part (e): each contender's first call in parts, in milliseconds (medians)."""
+  warm_up(devices, n, False)
+  listed = [c for c in contenders(devices, n, False) if c[0] in FIRST_CALL_CONTENDERS]
+  step, args = next(builder for _, library, builder in listed if library == "none")(spec)
+  step(*args)  # The model's own one-time costs, paid by no contender (as in (b)).
+  sync()
+  parts = {label: [] for label, _, _ in listed}
+  for r in range(rounds):
+    for label, _, builder in listed if r % 2 == 0 else list(reversed(listed)):
+      times = [time.perf_counter()]
+      step, args = builder(spec)
+      times.append(time.perf_counter())
+      step.get_concrete_function(*args)
+      times.append(time.perf_counter())
+      for _ in range(2):
+        step(*args)
+        sync()
+        times.append(time.perf_counter())
+      parts[label].append(np.diff(times) * 1000)
+  entries = []
+  for label, _, _ in listed:
+    medians = np.median(np.array(parts[label]), axis=0)
+    totals = [float(sum(p[:3])) for p in parts[label]]
+    entries.append({"label": label, "build_ms": float(medians[0]), "trace_ms": float(medians[1]),
+                    "first_run_ms": float(medians[2]), "second_run_ms": float(medians[3]),
+                    "first_call_ms": _common.summarize(totals)})
+  return entries
+
+
+def print_first_call_parts(model, n, entries):
+  fastest = min(e["first_call_ms"]["median"] for e in entries
+                if e["label"].startswith("tf.distribute"))
+  print(f"\n### {model}, {n} tower(s): a first call in parts (ms, medians of "
+        f"{len(entries[0]['first_call_ms']['values'])} rounds)\n")
+  print("| contender | build | trace | first run | a second run, for scale | first call "
+        "(build + trace + first run; median, min-max) | vs fastest tf.distribute |")
+  print("|---|---|---|---|---|---|---|")
+  for e in entries:
+    print(f"| {e['label']} | {e['build_ms']:.1f} | {e['trace_ms']:.1f} | "
+          f"{e['first_run_ms']:.1f} | {e['second_run_ms']:.1f} | "
+          f"{_common.format_summary(e['first_call_ms'])} | "
+          f"{_common.format_ratio(e['first_call_ms']['median'] / fastest)} |")
+  sys.stdout.flush()
+
+
 def run_group(group, quick, rounds):
   """Runs one measurement group in this process; returns its entries.
 
@@ -394,6 +452,11 @@ def run_group(group, quick, rounds):
     for e in entries:
       e["throughput"] = _common.summarize(e.pop("gb_per_s"), keep_values=False)
     return entries
+  if group.startswith("first_call:"):
+    _, model, n = group.split(":")
+    devices = _common.configure_devices(max(NUM_DEVICES, int(n)))
+    return run_first_call_parts(mlp_spec() if model == "mlp" else cnn_spec(), devices,
+                                int(n), 2 if quick else FIRST_CALL_ROUNDS)
   model, n = group.split(":")
   n = int(n)
   devices = _common.configure_devices(max(NUM_DEVICES, n))
@@ -431,6 +494,14 @@ def main(argv):
     report["batch_reduce"] = _common.run_group(__file__, "batch_reduce", timeout=1200,
                                                rounds=rounds, quick=args.quick)
     print_batch_reduce(report["batch_reduce"])
+  if "first_call" in parts:
+    report["first_call"] = []
+    for model in (["mlp"] if args.quick else ["mlp", "cnn"]):
+      for n in [t for t in towers if t > 1]:
+        entries = _common.run_group(__file__, f"first_call:{model}:{n}", timeout=1200,
+                                    quick=args.quick)
+        report["first_call"].extend(entries)
+        print_first_call_parts(model, n, entries)
   if "memory" in parts:
     for label, library, ops_name in MEMORY_CONTENDERS:
       report["memory"][label] = peak_memory(library, ops_name, 20)
