@@ -116,7 +116,7 @@ def _parser():
   parser.add_argument("--heartbeat-timeout", type=_seconds, default=None,
                       help="a worker that prints nothing for this many seconds is taken to "
                       "be hung: the attempt fails (exit status 124)")
-  parser.add_argument("script", help="the Python program each worker runs")
+  parser.add_argument("script", nargs="?", help="the Python program each worker runs")
   parser.add_argument("script_args", nargs=argparse.REMAINDER,
                       help="arguments of the script")
   return parser
@@ -145,10 +145,12 @@ class _Options:
     else:
       self.hosts = [h.strip() for h in args.hosts.split(",")]
       if args.task_index is None or args.task_index >= len(self.hosts):
+        given = ("no --task-index" if args.task_index is None else
+                 f"--task-index {args.task_index}")
         raise LaunchError(
             f"--hosts names {len(self.hosts)} host(s), so --task-index (this host's place "
-            f"in it) must be from 0 to {len(self.hosts) - 1}. Received: --task-index "
-            f"{args.task_index}", _USAGE_ERROR)
+            f"in it) must be from 0 to {len(self.hosts) - 1}; run the same command on "
+            f"each host with its own. Received: {given}", _USAGE_ERROR)
       self.host_index = args.task_index
       self.multi_host = True
       if self.port_base is None:
@@ -180,7 +182,11 @@ class _Options:
 
 def run(argv: list | None = None) -> int:
   """Runs the launcher with command-line arguments `argv`; returns its exit status."""
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if args.script is None:  # argparse would also call the script's arguments required.
+    parser.error("the script to run is missing: diststrat-run [options] script.py "
+                 "[script arguments]")
   try:
     options = _Options(args)
   except LaunchError as e:

@@ -249,6 +249,7 @@ def test_cluster_spec_of_several_hosts_is_the_same_on_every_host():
 @pytest.mark.parametrize("hosts, port_base, match", [
     (["a", "a"], 5000, "a host can be named once only"),
     ([], 5000, "at least one host"),
+    (["a", "", "b"], 5000, r"hosts has an empty name \(entry 2 of 3: two commas in a row"),
     (["a"], 65535, "must leave 3 ports below 65536"),
 ])
 def test_cluster_spec_rejects(hosts, port_base, match):
@@ -717,9 +718,20 @@ def test_zero_workers_is_a_usage_error(tmp_path, capfd):
   assert "--workers: must be an integer >= 1. Received: '0'" in capfd.readouterr().err
 
 
+def test_no_script_is_a_usage_error_naming_the_script(capfd):
+  with pytest.raises(SystemExit) as info:
+    launcher.run(["--workers", "1"])
+  assert info.value.code == 2
+  err = capfd.readouterr().err
+  assert "error: the script to run is missing: diststrat-run [options] script.py" in err
+  assert "script_args" not in err
+
+
 @pytest.mark.parametrize("args, match", [
     (["--task-index", "1"], "--task-index applies to a job across machines"),
-    (["--hosts", "a,b", "--task-index", "2"], "must be from 0 to 1. Received: --task-index 2"),
+    (["--hosts", "a,b", "--task-index", "2"], "Received: --task-index 2"),
+    (["--hosts", "a,b"], "must be from 0 to 1; run the same command on each host with its "
+     "own. Received: no --task-index"),
     (["--hosts", "a,a", "--task-index", "0"], "a host can be named once only"),
 ])
 def test_bad_host_options(tmp_path, capfd, args, match):
@@ -907,6 +919,24 @@ def test_log_dir_keeps_one_file_per_task_and_attempt(tmp_path):
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
+def test_after_restarts_the_summary_names_the_last_attempts_first_failure(tmp_path):
+  script = _write(tmp_path, "fail_twice.py", """
+      import json, os, sys, time
+      index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+      attempt = os.environ["DISTSTRAT_RESTART_COUNT"]
+      if (index, attempt) in ((1, "0"), (0, "1")):
+        sys.exit(5 if attempt == "0" else 6)
+      time.sleep(600)
+      """)
+  proc = _launch(["--workers", "2", "--max-restarts", "1", str(script)], tmp_path,
+                 timeout=100)
+  assert proc.returncode == 6, proc.stderr[-4000:]
+  assert ("Root cause: task worker:0, the first to fail in the last attempt (after 1 "
+          "restart(s)), exited with code 6") in proc.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
 def test_job_timeout_stops_a_hung_job(tmp_path):
   script = _write(tmp_path, "sleep.py", _SLEEPER)
   start = time.monotonic()
@@ -968,25 +998,45 @@ def test_a_failed_job_ends_with_a_summary_of_its_root_cause(tmp_path):
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
-def test_a_traceback_starts_at_the_script_as_under_python(tmp_path):
+@pytest.mark.parametrize("body, status", [
+    ("def fail():\n  raise KeyError('missing')\n\nfail()\n", 1),
+    ("x = 1\ndef fail(:\n  pass\n", 1),  # A SyntaxError: no frame of the script runs.
+    ("def fail():\n  raise KeyboardInterrupt\n\nfail()\n", 128 + signal.SIGINT),
+], ids=["exception", "syntax_error", "keyboard_interrupt"])
+def test_a_traceback_starts_at_the_script_as_under_python(tmp_path, body, status):
   """Neither the launcher's code (`<string>`) nor runpy's frames come first: the task's
-  traceback is the one `python script.py` prints."""
-  script = _write(tmp_path, "raise.py", """
-      import sys
-
-      def fail():
-        raise KeyError("missing")
-
-      fail()
-      """)
+  traceback is the one `python script.py` prints, and it ends the same way (an uncaught
+  KeyboardInterrupt kills Python with SIGINT)."""
+  script = _write(tmp_path, "raise.py", body)
   alone = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                          text=True, timeout=60, check=False)
   proc = _launch(["--workers", "1", str(script)], tmp_path, timeout=100)
-  assert proc.returncode == alone.returncode == 1, proc.stderr[-4000:]
+  assert (128 - alone.returncode if alone.returncode < 0 else alone.returncode) == status
+  assert proc.returncode == status, proc.stderr[-4000:]
   task_lines = [line[len("[worker:0] "):] for line in proc.stderr.splitlines()
                 if line.startswith("[worker:0] ")]
   assert task_lines == alone.stderr.splitlines(), (task_lines, alone.stderr)
   assert "runpy" not in proc.stderr and "<string>" not in proc.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_what_a_task_started_in_a_session_of_its_own_is_stopped_with_the_job(tmp_path):
+  """A process a task started out of its process group's reach (its own session) is
+  stopped when the job ends, and the launcher names it (`_launch` checks that no
+  process of the job is left)."""
+  script = _write(tmp_path, "daemon.py", """
+      import subprocess, sys
+      child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                               start_new_session=True)
+      print("started", child.pid, flush=True)
+      """)
+  proc = _launch(["--workers", "1", str(script)], tmp_path, timeout=100)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  pid = int(proc.stdout.split("started ")[1].split()[0])
+  assert (f"stopped 1 process(es) that the job's tasks started outside their process "
+          f"groups and left running: pid {pid} ({sys.executable} -c import time; "
+          "time.sleep(600))") in proc.stderr
 
 
 @pytest.mark.processes

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 from diststrat._cluster_runtime import _exposure
 from diststrat.cluster import _output
@@ -33,6 +34,9 @@ from diststrat.cluster import _task
 
 RESTART_COUNT_ENV = "DISTSTRAT_RESTART_COUNT"
 """How many times the job was restarted before this attempt (0 on the first)."""
+JOB_MARK_ENV = "DISTSTRAT_JOB_MARK"
+"""A mark unique to an attempt, in the environment of its tasks and of every process they
+start: when the attempt ends, the launcher stops the processes that still carry it."""
 _GRACE = 5.0  # Seconds between SIGTERM and SIGKILL when a task is stopped.
 _POLL = 0.05
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -72,10 +76,14 @@ def build_cluster_spec(hosts: list, num_ps: int, num_workers: int,
   {'ps': ['a:2222', 'b:2222'], 'worker': ['a:2223', 'a:2224', 'b:2223', 'b:2224']}
 
   Raises:
-    ValueError: no host, a host named twice, or ports beyond 65535.
+    ValueError: no host, an empty host name, a host named twice, or ports beyond 65535.
   """
-  if not hosts or any(not h for h in hosts):
+  if not hosts:
     raise ValueError(f"hosts must name at least one host. Received: hosts={hosts!r}")
+  if any(not h for h in hosts):
+    empty = [bool(h) for h in hosts].index(False) + 1
+    raise ValueError(f"hosts has an empty name (entry {empty} of {len(hosts)}: two commas "
+                     f"in a row, or one at an end?). Received: hosts={hosts!r}")
   if len(set(hosts)) != len(hosts):
     raise ValueError("Each host runs its tasks on the same ports, so a host can be named "
                      f"once only. Received: hosts={hosts!r}")
@@ -271,6 +279,7 @@ class _Job:
     self._attempt = attempt
     self._network = network
     self._deadline = deadline  # --job-timeout's, on the monotonic clock.
+    self._mark = uuid.uuid4().hex
     self.tasks: List[_Task] = []
 
   def _environment(self, spec, task_type, task_id):
@@ -278,6 +287,7 @@ class _Job:
         "TF_CONFIG": tf_config(spec, task_type, task_id),
         "PYTHONUNBUFFERED": "1",
         RESTART_COUNT_ENV: str(self._attempt),
+        JOB_MARK_ENV: self._mark,
     }
     if task_type == "ps":
       # TensorFlow logs each worker's session options at INFO level on a PS: not by default.
@@ -392,7 +402,8 @@ class _Job:
       time.sleep(_POLL)
 
   def stop(self):
-    """Stops every task's process group: SIGTERM, then SIGKILL after a grace period."""
+    """Stops every task's process group (SIGTERM, then SIGKILL after a grace period), then
+    what the tasks started outside their groups and left running (`JOB_MARK_ENV`)."""
     running = [t for t in self.tasks if t.poll() is None]
     for task in running:
       task.signal_group(signal.SIGTERM)
@@ -411,6 +422,11 @@ class _Job:
       if task.ready_read is not None:
         os.close(task.ready_read)
         task.ready_read = None
+    left = _processes.stop_marked(JOB_MARK_ENV, self._mark, _GRACE)
+    if left:
+      say(f"stopped {len(left)} process(es) that the job's tasks started outside their "
+          "process groups and left running: " +
+          "; ".join(f"pid {pid} ({command[:80]})" for pid, command in sorted(left.items())))
     for task in self.tasks:
       task.output.close(_GRACE)
 
@@ -433,14 +449,17 @@ def _network(plan):
   return network
 
 
-def _summary(failure: _Failure) -> None:
-  """Says which task caused a failed job, how it ended and the last lines it wrote."""
+def _summary(failure: _Failure, restarts: int = 0) -> None:
+  """Says which task caused a failed job, how it ended and the last lines it wrote; after
+  `restarts`, that is the last attempt's first failure."""
   if failure.task is None:
     return
   task = failure.task
   lines = task.output.last_lines()
+  first = (f"the first to fail in the last attempt (after {restarts} restart(s))" if restarts
+           else "the first to fail")
   # `how` may give a killed task's returncode (-N); the launcher exits with 128 + N.
-  say(f"the job failed. Root cause: task {task.name}, the first to fail, {failure.how}; "
+  say(f"the job failed. Root cause: task {task.name}, {first}, {failure.how}; "
       f"the launcher's exit status is {failure.status}. " +
       ("Its last lines:" if lines else "It wrote nothing."))
   if lines:
@@ -519,7 +538,7 @@ def run_job(plan: JobPlan) -> int:
         elif plan.max_restarts:
           say(f"not restarting: --max-restarts does not apply to this failure; exit "
               f"status {failure.status}.")
-        _summary(failure)
+        _summary(failure, attempt)
         return failure.status
       attempt += 1
       say(f"restarting the job ({attempt} of --max-restarts {plan.max_restarts}).")

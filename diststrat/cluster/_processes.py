@@ -21,6 +21,9 @@ diststrat starts a process (tests/test_architecture.py checks it). The pieces:
   each case where there is none (docs/security.md).
 - `free_ports`, `describe_exit`, `exit_status`, `task_environment`: the same ports, words,
   exit statuses and environment variables for both.
+- `marked_processes` and `stop_marked`: the processes that carry a job's mark in their
+  environment, so the launcher can stop what a task started in a session of its own
+  (out of reach of its process group) when the job ends.
 """
 
 from typing import Dict, List, Optional, Sequence
@@ -31,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 from diststrat._cluster_runtime._exposure import ISOLATED_ENV
 from diststrat.cluster import _isolation
@@ -206,5 +210,76 @@ def signal_group(process: subprocess.Popen, sig: int) -> None:
   """Sends `sig` to the process group of `process` (started with `new_session`)."""
   try:
     os.killpg(process.pid, sig)
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+# --- what a job leaves behind ------------------------------------------------------------
+
+
+def marked_processes(name: str, value: str) -> List[int]:
+  """The ids of this user's processes (not this one) whose environment holds
+  `name=value`, as they were started (Linux's /proc; elsewhere none).
+
+  A process inherits its parent's environment, so a mark set in a task's environment is
+  also in every process the task starts, in whatever session or process group, unless
+  one of them is started with an environment that drops it.
+  """
+  if not sys.platform.startswith("linux"):
+    return []
+  needle = f"{name}={value}".encode()
+  found = []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit() or int(entry) == os.getpid():
+      continue
+    try:
+      with open(f"/proc/{entry}/environ", "rb") as f:
+        if needle in f.read().split(b"\0"):
+          found.append(int(entry))
+    except OSError:  # Another user's process, or one that just ended.
+      continue
+  return found
+
+
+def stop_marked(name: str, value: str, grace: float) -> Dict[int, str]:
+  """Stops every process marked `name=value` (`marked_processes`): SIGTERM, then SIGKILL
+  to those still there after `grace` seconds. Returns {pid: command line} of the
+  processes it signalled.
+
+  Bounded: it looks for processes started meanwhile for at most `grace` seconds, then
+  waits at most 1 s for the killed ones to go.
+  """
+  signalled: Dict[int, str] = {}
+  deadline = time.monotonic() + grace
+  while True:
+    left = marked_processes(name, value)
+    for pid in left:
+      if pid not in signalled:
+        signalled[pid] = _command_line(pid)
+        _signal(pid, signal.SIGTERM)
+    if not left or time.monotonic() >= deadline:
+      break
+    time.sleep(0.1)
+  for pid in left:
+    signalled.setdefault(pid, _command_line(pid))
+    _signal(pid, signal.SIGKILL)
+  end = time.monotonic() + 1.0  # Killed processes leave /proc's listing a moment later.
+  while left and time.monotonic() < end:
+    time.sleep(0.05)
+    left = marked_processes(name, value)
+  return signalled
+
+
+def _command_line(pid: int) -> str:
+  try:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+      return b" ".join(f.read().rstrip(b"\0").split(b"\0")).decode(errors="replace")
+  except OSError:
+    return "?"
+
+
+def _signal(pid: int, sig: int) -> None:
+  try:
+    os.kill(pid, sig)
   except (ProcessLookupError, PermissionError):
     pass

@@ -25,7 +25,8 @@ CPUS_ENV = "DISTSTRAT_CPUS_PER_WORKER"
 # sys.argv is ["-c", script, args...]; the program sees [script, args...] and an absolute
 # __file__, as under `python script.py`. An exception the program does not catch is
 # reported as `python script.py` would: its traceback starts at the script's frame (not
-# this code's, nor runpy's), and the task exits with 1.
+# this code's, nor runpy's; a SyntaxError has none, so only its place in the script is
+# shown), and the task exits with 1, or, for KeyboardInterrupt, is killed by SIGINT.
 WORKER_CODE = (
     "import os as _o, runpy as _r, sys as _s\n"
     f"_n = int(_o.environ.pop('{CPUS_ENV}', '0') or 0)\n"
@@ -42,14 +43,20 @@ WORKER_CODE = (
     "del _n\n"
     "try:\n"
     "  _r.run_path(_p, run_name='__main__')\n"
-    "except (SystemExit, KeyboardInterrupt):\n"
+    "except SystemExit:\n"
     "  raise\n"
     "except BaseException as _e:\n"
     "  _b = _e.__traceback__\n"
     "  while _b is not None and _o.path.abspath(_b.tb_frame.f_code.co_filename) != _p:\n"
     "    _b = _b.tb_next\n"
-    "  _e = _e.with_traceback(_b or _e.__traceback__)\n"
+    "  _e = _e.with_traceback(_b)\n"
     "  _s.excepthook(type(_e), _e, _e.__traceback__)\n"
+    "  if isinstance(_e, KeyboardInterrupt):\n"
+    "    import signal as _g\n"
+    "    _s.stdout.flush()\n"
+    "    _s.stderr.flush()\n"
+    "    _g.signal(_g.SIGINT, _g.SIG_DFL)\n"
+    "    _o.kill(_o.getpid(), _g.SIGINT)\n"
     "  _s.exit(1)\n")
 
 SERVE_CODE = "from diststrat.cluster import _serve\n_serve.serve()\n"
