@@ -1021,6 +1021,22 @@ def test_a_traceback_starts_at_the_script_as_under_python(tmp_path, body, status
 
 @pytest.mark.processes
 @pytest.mark.timeout(120)
+def test_a_symlinked_script_imports_from_its_real_directory_as_under_python(tmp_path):
+  real = tmp_path / "real"
+  real.mkdir()
+  _write(real, "helper.py", "VALUE = 'from the real directory'\n")
+  _write(real, "main.py", "import helper, sys\nprint(helper.VALUE, sys.path[0])\n")
+  (tmp_path / "main.py").symlink_to(real / "main.py")
+  alone = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, check=False)
+  proc = _launch(["--workers", "1", "main.py"], tmp_path, timeout=100)
+  assert proc.returncode == alone.returncode == 0, proc.stderr[-4000:]
+  assert proc.stdout.strip() == f"[worker:0] {alone.stdout.strip()}", proc.stdout
+  assert alone.stdout.strip() == f"from the real directory {real}"
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
 def test_what_a_task_started_in_a_session_of_its_own_is_stopped_with_the_job(tmp_path):
   """A process a task started out of its process group's reach (its own session) is
   stopped when the job ends, and the launcher names it (`_launch` checks that no

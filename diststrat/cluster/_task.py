@@ -22,8 +22,9 @@ before it takes the job for ended (the launcher names it too)."""
 CPUS_ENV = "DISTSTRAT_CPUS_PER_WORKER"
 """Logical CPU devices of a worker process (`--cpus-per-worker`)."""
 
-# sys.argv is ["-c", script, args...]; the program sees [script, args...] and an absolute
-# __file__, as under `python script.py`. An exception the program does not catch is
+# sys.argv is ["-c", script, args...]; the program sees [script, args...] (runpy makes
+# the script's path absolute), an absolute __file__ and, first on sys.path, the directory
+# of the script's real path (symlinks resolved), as under `python script.py`. An exception the program does not catch is
 # reported as `python script.py` would: its traceback starts at the script's frame (not
 # this code's, nor runpy's; a SyntaxError has none, so only its place in the script is
 # shown), and the task exits with 1, or, for KeyboardInterrupt, is killed by SIGINT.
@@ -38,7 +39,7 @@ WORKER_CODE = (
     "        [_t.config.LogicalDeviceConfiguration()] * _n)\n"
     "  del _t\n"
     "_s.argv[:] = _s.argv[1:]\n"
-    "_s.path[0] = _o.path.dirname(_o.path.abspath(_s.argv[0]))\n"
+    "_s.path[0] = _o.path.dirname(_o.path.realpath(_s.argv[0]))\n"
     "_p = _o.path.abspath(_s.argv[0])\n"
     "del _n\n"
     "try:\n"
