@@ -124,6 +124,15 @@ def _install_keras() -> None:
 _integrations.register(_install_keras)
 
 
+def _load_default_strategy() -> None:
+  importlib.import_module("diststrat.strategies._default")  # Registers it when imported.
+
+
+# Run by the contexts the first time they need the default strategy: a program may import
+# only submodules (`from diststrat.values import Mirrored`), which do not import it.
+_integrations.register_default_strategy_loader(_load_default_strategy)
+
+
 def _load() -> None:
   """Imports TensorFlow (checked first), every public name, and the Keras support."""
   with _lock:

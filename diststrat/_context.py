@@ -66,15 +66,23 @@ _default: list[typing.Any] = []  # The default strategy, once registered.
 
 def set_default_strategy(strategy):
   """Registers the strategy in effect when none is entered (strategies/_default.py does,
-  when imported: `import diststrat` imports it)."""
+  when imported)."""
   _default[:] = [strategy]
 
 
 def default_strategy():
-  """The default strategy (see `set_default_strategy`)."""
+  """The default strategy (see `set_default_strategy`).
+
+  Registered when `diststrat.strategies` is imported. A program may import only some
+  submodules (`from diststrat.values import Mirrored`), and `import diststrat` loads its
+  names lazily, so neither imports it for sure: the first need does, through the loader
+  the package registered (`_integrations.load_default_strategy`).
+  """
   if not _default:
-    raise RuntimeError("diststrat's default strategy is not registered: `import diststrat` "
-                       "(which registers it) before using diststrat's modules.")
+    _integrations.load_default_strategy()
+  if not _default:  # pragma: no cover - the package always registers the loader.
+    raise RuntimeError("diststrat's default strategy is not registered: import "
+                       "diststrat.strategies before using diststrat's contexts.")
   return _default[0]
 
 

@@ -15,6 +15,7 @@ import typing
 
 _lock = threading.RLock()
 _pending: list[typing.Callable[[], typing.Any]] = []
+_default_strategy_loader: list[typing.Callable[[], typing.Any]] = []
 
 
 def register(installer: typing.Callable[[], typing.Any]) -> None:
@@ -32,3 +33,17 @@ def install_pending() -> None:
       installer = _pending[0]
       installer()  # Left pending if it raises: the next use tries again.
       _pending.pop(0)
+
+
+def register_default_strategy_loader(loader: typing.Callable[[], typing.Any]) -> None:
+  """Sets what registers diststrat's default strategy (`import diststrat` sets it: the
+  import of the strategies' layer). The contexts call it the first time they need the
+  default strategy, which a program that imported only some submodules has not loaded."""
+  _default_strategy_loader[:] = [loader]
+
+
+def load_default_strategy() -> None:
+  """Runs the loader set by `register_default_strategy_loader`, if any."""
+  with _lock:
+    for loader in _default_strategy_loader:
+      loader()

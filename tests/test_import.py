@@ -85,6 +85,27 @@ def test_a_program_that_imports_only_a_submodule_gets_the_keras_support():
 
 
 @pytest.mark.processes
+@pytest.mark.parametrize("imports", [
+    "import diststrat as ds\nfrom diststrat.values import Mirrored\n",
+    "from diststrat.values import Mirrored\nfrom diststrat import optimizers\n",
+], ids=["package_then_submodule", "submodules_only"])
+def test_a_program_that_imports_submodules_first_has_the_default_strategy(imports):
+  """`from diststrat.values import ...` binds the submodules it loads as attributes of
+  the package, so a later `ds.optimizers` no longer loads the strategies' layer, which
+  registers the default strategy: the contexts load it when they first need it."""
+  code = ("import tensorflow as tf\n" + imports +
+          "import diststrat.optimizers\n"
+          "print('get', Mirrored({'/cpu:0': 5}).get())\n"
+          "v = tf.Variable(1.0)\n"
+          "diststrat.optimizers.GradientDescent(0.5).apply_gradients([(tf.constant(1.0), v)])\n"
+          "print('value', float(v.numpy()))\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "get 5\nvalue 0.5" in out.stdout, out.stdout
+
+
+@pytest.mark.processes
 def test_old_tensorflow_is_refused_by_import_diststrat():
   """`import diststrat` imports no TensorFlow, yet refuses an old one at once (it was
   refused only at the first `ds.<name>`): from an imported module's version, and from
