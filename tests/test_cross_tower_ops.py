@@ -133,6 +133,37 @@ def test_batch_reduce_matches_numpy(factory, n, aggregation, mode):
     _check_mirrored(result, devices, _expected(a, aggregation), mode)
 
 
+# Dtypes TensorFlow's collective kernels do not take: the collectives carry them in
+# another dtype; every other algorithm adds them as they are.
+OTHER_DTYPES = [np.complex64, np.complex128, np.int8, np.uint8, np.int16, np.uint16,
+                np.uint32, np.uint64, np.float16]
+
+
+def _other_values(dtype, n, seed):
+  rng = np.random.default_rng(seed)
+  if np.issubdtype(dtype, np.complexfloating):
+    return [(rng.normal(size=(2, 3)) + 1j * rng.normal(size=(2, 3))).astype(dtype)
+            for _ in range(n)]
+  low = 0 if np.issubdtype(dtype, np.unsignedinteger) else -20
+  return [rng.integers(low, 20, size=(2, 3)).astype(dtype) for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("aggregation", ["sum", "mean"])
+@pytest.mark.parametrize("factory,n", [pytest.param(factory, min(counts), id=name)
+                                       for name, factory, counts in CONFIGS])
+def test_every_algorithm_reduces_complex_and_small_integer_dtypes(factory, n, aggregation,
+                                                                  mode):
+  """The collective kernels take only floats and 32/64-bit integers (complex64 raised
+  TensorFlow's TypeError); every algorithm reduces the others too, as numpy adds them."""
+  devices = CPUS[:n]
+  arrays = [_other_values(dtype, n, seed=i) for i, dtype in enumerate(OTHER_DTYPES)]
+  results = _reduce_in_mode(factory(), mode, aggregation,
+                            [(_per_device(a, devices), None) for a in arrays])
+  for a, result in zip(arrays, results, strict=True):
+    _check_mirrored(result, devices, _expected(a, aggregation), mode)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("factory,n", [c for c in CASES if c.id.endswith("4dev")])
 def test_reduce_one_value(factory, n, mode):

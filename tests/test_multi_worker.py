@@ -283,6 +283,16 @@ def _keras_fit_fn(strategy, checkpoint_dir):
     total.assign(10.0)
     result["tower_local"] = (float(total.numpy()), float(strategy.read_var(total)),
                              [float(c) for c in strategy.unwrap(total)])
+    # Dtypes TensorFlow's collectives do not take travel across workers in another one.
+    def odd_dtypes():
+      tower = ds.get_tower_context().tower_id
+      return tf.complex(1.0, float(tower)), tf.constant(tower + 1, tf.int8)
+    complex_values, small_ints = strategy.call_for_each_tower(odd_dtypes)
+    complex_sum = strategy.reduce("sum", complex_values).values
+    int8_sum = strategy.reduce("sum", small_ints).values
+    result["complex_sum"] = {complex(v.numpy()) for v in complex_sum}
+    result["int8_sum"] = {(int(v.numpy()), v.dtype.name) for v in int8_sum}
+    result["complex_gathered"] = [complex(v) for v in strategy.gather(complex_values).numpy()]
   return result
 
 
@@ -470,6 +480,8 @@ def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_devic
   assert results[0]["masks"] == results[1]["masks"]  # Gathered from all towers in both.
   for result in results:
     assert result["tower_local"] == (10.0, 10.0, [2.5, 2.5])
+    assert result["complex_sum"] == {4 + 6j} and result["int8_sum"] == {(10, "int8")}
+    assert result["complex_gathered"] == [1 + 0j, 1 + 1j, 1 + 2j, 1 + 3j]
   # The chief's ModelCheckpoint file loads with no strategy, with the trained weights.
   loaded = keras.models.load_model(str(tmp_path / "model.keras"))
   for got, want in zip(loaded.get_weights(), reference["weights"], strict=True):

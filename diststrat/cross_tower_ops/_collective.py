@@ -94,6 +94,35 @@ def _reduce_op(value, group_size, group_key, instance_key, merge_op, final_op, t
                                     final_op, timeout, communication_hint=communication_hint)
 
 
+# The dtypes TensorFlow 2.21's collective kernels take; others travel in a carrier.
+_COLLECTIVE_DTYPES = frozenset([tf.bfloat16, tf.float16, tf.float32, tf.float64, tf.int32,
+                                tf.int64])
+_WIDER = {tf.int8: tf.int32, tf.int16: tf.int32, tf.uint8: tf.int32, tf.uint16: tf.int32,
+          tf.uint32: tf.int64}
+
+
+def _carried(value):
+  """`value` in a dtype the collectives take, and the function that turns a sum (or a
+  gather along axis 0) of such values back into `value`'s dtype.
+
+  A complex value travels as its real and imaginary parts on a last axis of 2; a small
+  or unsigned integer in a wider signed one (its sum wraps back as the dtype's own
+  addition would); uint64 as int64, bit for bit (two's complement adds alike). Other
+  dtypes go as they are, and TensorFlow's error names them.
+  """
+  dtype = value.dtype
+  if dtype in _COLLECTIVE_DTYPES:
+    return value, lambda total: total
+  if dtype.is_complex:
+    return (tf.stack([tf.math.real(value), tf.math.imag(value)], axis=-1),
+            lambda total: tf.complex(total[..., 0], total[..., 1]))
+  if dtype in _WIDER:
+    return tf.cast(value, _WIDER[dtype]), lambda total: tf.cast(total, dtype)
+  if dtype == tf.uint64:
+    return tf.bitcast(value, tf.int64), lambda total: tf.bitcast(total, tf.uint64)
+  return value, lambda total: total
+
+
 def all_reduce(values, devices, mean, timeout, communication_hint="auto", group=None):
   """Sums one tensor per device with one collective; every device gets the total.
 
@@ -120,8 +149,9 @@ def all_reduce(values, devices, mean, timeout, communication_hint="auto", group=
   results = []
   for value, device in zip(values, devices, strict=True):
     with tf.device(device):
-      results.append(_reduce_op(value, len(group), group_key, instance_key, "Add",
-                                "Div" if mean else "Id", timeout, communication_hint))
+      carrier, back = _carried(value)
+      results.append(back(_reduce_op(carrier, len(group), group_key, instance_key, "Add",
+                                     "Div" if mean else "Id", timeout, communication_hint)))
   return results
 
 
@@ -138,10 +168,12 @@ def all_gather(value, device, group, timeout):
   with tf.device(device):
     group_size, group_key, instance_key = (len(group), _KEYS.group_key(group),
                                            _KEYS.instance_key())
+    carrier, back = _carried(value)
     if _tf_internal.in_while_loop():
-      return _tf_internal.all_gather_v2(value, group_size, group_key, instance_key, timeout,
-                                        ordering_token=_ordering_token())
-    return _tf_internal.all_gather_v1(value, group_size, group_key, instance_key, timeout)
+      return back(_tf_internal.all_gather_v2(carrier, group_size, group_key, instance_key,
+                                             timeout, ordering_token=_ordering_token()))
+    return back(_tf_internal.all_gather_v1(carrier, group_size, group_key, instance_key,
+                                           timeout))
 
 
 def run_together(results, devices):
