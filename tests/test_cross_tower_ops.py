@@ -542,6 +542,15 @@ def test_bad_arguments():
     ops.batch_reduce("sum", [value])
   with pytest.raises(ValueError, match=r"destinations must be None, a device string"):
     ops.reduce("sum", value, destinations=[])
+
+  @tf.function
+  def onto_a_tensor_without_a_device():
+    ops.reduce("sum", value, destinations=tf.constant(1.0))
+
+  with pytest.raises(ValueError, match=r"destinations is a tensor with no device \(in a "
+                     r"tf.function, a tensor gets one only when it is made under "
+                     r"tf.device\(...\)\)"):
+    onto_a_tensor_without_a_device()
   with pytest.raises(ValueError, match=r"reduce\(\) needs a value. Received: None"):
     ops.reduce("sum", None)
   with pytest.raises(ValueError, match=r"broadcast\(\) needs destinations"):

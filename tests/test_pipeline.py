@@ -456,6 +456,10 @@ def _train_towers(opt_name, mode, xs, ys, apply_with):
   def tower(x, y):
     with tf.GradientTape() as tape:
       loss = tf.reduce_mean(tf.square(pipe(x, training=True) - y))
+      scaled = loss / strategy.num_towers  # A Keras optimizer sums the towers' gradients.
+    if apply_with == "keras":
+      grads = tape.gradient(scaled, pipe.trainable_variables)
+      return opt.apply_gradients(zip(grads, pipe.trainable_variables))
     # Scales the loss by 1/num_towers: the towers' gradients sum to the global mean's.
     grads_and_vars = opt.compute_gradients(loss, pipe.trainable_variables, tape=tape)
     if apply_with == "optimizer":
@@ -516,6 +520,13 @@ def test_two_towers_diststrat_optimizer_in_a_tf_function():
   xs, ys = _training_data()
   pipe = _train_towers("ds_momentum", "function", xs, ys, apply_with="optimizer")
   _check_towers_trained(pipe, _expected_one_device("ds_momentum"))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_two_towers_of_two_stages_with_a_keras_optimizer(mode, no_thread_leak):
+  xs, ys = _training_data()
+  pipe = _train_towers("keras_sgd", mode, xs, ys, apply_with="keras")
+  _check_towers_trained(pipe, _expected_one_device("keras_sgd"))
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])

@@ -382,9 +382,14 @@ def devices_of(destinations):
   device = getattr(destinations, "device", None)
   if isinstance(destinations, (tf.Variable, tf.Tensor)) and device:
     return (_devices.canonicalize(device),)
+  if isinstance(destinations, tf.Tensor):
+    raise ValueError(
+        "destinations is a tensor with no device (in a tf.function, a tensor gets one "
+        "only when it is made under tf.device(...)). Pass a device string, or make the "
+        f"tensor under tf.device(...). Received: destinations={destinations!r}")
   raise ValueError(
-      "destinations must be None, a device string, a list of device strings, a variable "
-      f"or a wrapped value. Received: destinations={destinations!r}")
+      "destinations must be None, a device string, a list of device strings, a variable, "
+      f"a tensor with a device or a wrapped value. Received: destinations={destinations!r}")
 
 
 REQUIRED = object()
