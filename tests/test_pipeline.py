@@ -459,7 +459,7 @@ def _train_towers(opt_name, mode, xs, ys, apply_with):
       scaled = loss / strategy.num_towers  # A Keras optimizer sums the towers' gradients.
     if apply_with == "keras":
       grads = tape.gradient(scaled, pipe.trainable_variables)
-      return opt.apply_gradients(zip(grads, pipe.trainable_variables))
+      return opt.apply_gradients(zip(grads, pipe.trainable_variables, strict=True))
     # Scales the loss by 1/num_towers: the towers' gradients sum to the global mean's.
     grads_and_vars = opt.compute_gradients(loss, pipe.trainable_variables, tape=tape)
     if apply_with == "optimizer":
