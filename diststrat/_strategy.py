@@ -566,6 +566,14 @@ class DistributionStrategy:
     """
     return tensor
 
+  def _first_tower_value(self, value):
+    """The component of the per-tower `value` that tower 0 (of every process) gave: what
+    a variable with aggregation ONLY_FIRST_REPLICA is written with.
+
+    A collective when tower 0 is in another process: every process must call it.
+    """
+    return self._unwrap(value)[0]
+
   def _batch_split(self):
     """(first_tower, num_towers): this process's towers' share of every global batch.
 

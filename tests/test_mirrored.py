@@ -241,6 +241,27 @@ def test_assign_in_tower_aggregates(aggregation, expected, mode):
   assert [float(c.numpy()) for c in v.values] == [expected] * 4
 
 
+@pytest.mark.parametrize("aggregation,expected", [
+    (tf.VariableAggregation.SUM, 4),
+    (tf.VariableAggregation.MEAN, 1),
+    (tf.VariableAggregation.ONLY_FIRST_REPLICA, 1),
+])
+@pytest.mark.parametrize("dtype", [tf.float32, tf.int64])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_python_number_written_in_every_tower_counts_once_per_tower(aggregation, expected,
+                                                                     dtype, mode):
+  """`counter.assign_add(1)` in 4 towers: the same Python object in every tower counted
+  once with SUM (1, not 4, where a tensor gave 4), and an int64 counter raised (1 became
+  an int32 tensor)."""
+  s = strategy(4)
+  with s.scope():
+    v = tf.Variable(0, dtype=dtype, aggregation=aggregation)
+  with s.scope():
+    run(mode, lambda: s.call_for_each_tower(lambda: v.assign_add(1)))
+  assert [c.numpy().item() for c in v.values] == [expected] * 4
+  assert all(c.dtype == dtype for c in v.values)
+
+
 def test_assign_in_tower_without_aggregation_raises():
   s = strategy(2)
   with s.scope():

@@ -293,6 +293,22 @@ def _keras_fit_fn(strategy, checkpoint_dir):
     result["complex_sum"] = {complex(v.numpy()) for v in complex_sum}
     result["int8_sum"] = {(int(v.numpy()), v.dtype.name) for v in int8_sum}
     result["complex_gathered"] = [complex(v) for v in strategy.gather(complex_values).numpy()]
+    # Tower writes: ONLY_FIRST_REPLICA takes global tower 0's (it took each worker's own
+    # first tower's); a Python number counts once per tower (MEAN gave 0.5 per step).
+    first = tf.Variable(0.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    strategy.call_for_each_tower(lambda: first.assign(5.0 + ds.get_tower_context().tower_id))
+    counters = {name: tf.Variable(0, dtype=tf.int64, aggregation=aggregation)
+                for name, aggregation in (("sum", tf.VariableAggregation.SUM),
+                                          ("mean", tf.VariableAggregation.MEAN))}
+    for counter in counters.values():
+      strategy.call_for_each_tower(lambda c=counter: c.assign_add(1))
+    result["tower_writes"] = ([float(c) for c in strategy.unwrap(first)],
+                              {n: [int(c) for c in strategy.unwrap(v)]
+                               for n, v in counters.items()})
+    # A plain value counts as one value in each worker: MEAN gives it back.
+    plain = tf.constant([1.0, 2.0])
+    result["plain"] = {a: strategy.reduce(a, plain).values[0].numpy().tolist()
+                       for a in ("sum", "mean")}
   return result
 
 
@@ -482,6 +498,8 @@ def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_devic
     assert result["tower_local"] == (10.0, 10.0, [2.5, 2.5])
     assert result["complex_sum"] == {4 + 6j} and result["int8_sum"] == {(10, "int8")}
     assert result["complex_gathered"] == [1 + 0j, 1 + 1j, 1 + 2j, 1 + 3j]
+    assert result["tower_writes"] == ([5.0, 5.0], {"sum": [4, 4], "mean": [1, 1]})
+    assert result["plain"] == {"sum": [2.0, 4.0], "mean": [1.0, 2.0]}
   # The chief's ModelCheckpoint file loads with no strategy, with the trained weights.
   loaded = keras.models.load_model(str(tmp_path / "model.keras"))
   for got, want in zip(loaded.get_weights(), reference["weights"], strict=True):

@@ -154,7 +154,10 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     rest = [i for i in range(len(results)) if results[i] is None]
     if rest:
       sums = [self._local_sum(value_destination_pairs[i][0]) for i in rest]
-      totals = self._across_workers(sums, mean)
+      # A MEAN divides by the number of values added: each worker's components (one for a
+      # plain value, whatever its towers) in every worker.
+      counts = [len(value_destination_pairs[i][0]) for i in rest]
+      totals = self._across_workers(sums, mean, counts)
       for i, total in zip(rest, totals, strict=True):
         results[i] = _base.mirror(total, value_destination_pairs[i][1],
                                   source_device=local[0])
@@ -166,8 +169,8 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     with tf.device(local[0]):
       values = self._gather_rows(mine.values)
       indices = self._gather_rows(mine.indices)
-      if aggregation is Aggregation.MEAN:
-        values = _base.divide(values, len(all_devices))
+      if aggregation is Aggregation.MEAN:  # By the number of values added, as for dense.
+        values = _base.divide(values, len(per_device_value) * len(all_devices) // len(local))
       gathered = tf.IndexedSlices(values, indices, mine.dense_shape)
     return _base.mirror(gathered, destinations, source_device=local[0])
 
@@ -229,8 +232,10 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
       components = [per_device_value.get(d) for d in per_device_value.devices]
       return tf.math.add_n(components) if len(components) > 1 else tf.identity(components[0])
 
-  def _across_workers(self, tensors, mean):
-    """All-reduces one tensor per entry across the workers' leaders; packs if asked."""
+  def _across_workers(self, tensors, mean, counts=None):
+    """All-reduces one tensor per entry across the workers' leaders; packs if asked. With
+    `mean`, entry i is divided by `counts[i]` (default: every tower's) times the number
+    of workers."""
     local, all_devices, _, num_workers = self._bound()
     if num_workers == 1:
       totals = list(tensors)
@@ -245,8 +250,10 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
       totals = self._bucketed_sum(tensors)
     if not mean:
       return totals
+    counts = [len(local)] * len(totals) if counts is None else counts
     with tf.device(local[0]):
-      return [_base.divide(t, len(all_devices)) for t in totals]
+      return [_base.divide(t, count * num_workers)
+              for t, count in zip(totals, counts, strict=True)]
 
   def _bucketed_sum(self, tensors):
     """The leaders' sums of `tensors`, bucket by bucket (`_packing.bucket_plan`)."""

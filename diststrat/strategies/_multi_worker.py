@@ -175,6 +175,14 @@ class MultiWorkerMirroredStrategy(_cluster_spec.ClusterTaskMixin, _mirrored.Mirr
   def _num_processes(self):
     return self._num_workers
 
+  def _first_tower_value(self, value):
+    # This worker's first tower is tower 0 in the chief only: the chief's goes to all.
+    first = tf.convert_to_tensor(self._unwrap(value)[0])
+    if self._num_workers == 1:
+      return first
+    with tf.device(self._devices[0]):
+      return self._cross_tower_ops.broadcast_from_chief(first)
+
   def _sum_across_processes(self, tensor):
     if self._num_workers == 1:
       return tensor
