@@ -305,6 +305,20 @@ def _keras_fit_fn(strategy, checkpoint_dir):
     result["tower_writes"] = ([float(c) for c in strategy.unwrap(first)],
                               {n: [int(c) for c in strategy.unwrap(v)]
                                for n, v in counters.items()})
+    # Two gathers in one tf.function, worker 1's towers with no rows (a ragged last
+    # batch): the collectives of the row counts disagreed between the workers (SIGSEGV).
+    def rows(x):
+      tower = ds.get_tower_context().tower_id
+      n = [1, 1, 0, 0][tower] + tf.cast(x, tf.int32) * 0
+      return (tf.fill(tf.stack([n, 3]), float(tower)) + x,
+              tf.fill(tf.stack([n, 1]), float(tower)) + x)
+
+    @tf.function
+    def two_gathers(x):
+      wide, narrow = strategy.call_for_each_tower(rows, x)
+      return strategy.gather(wide), strategy.gather(narrow)
+
+    result["ragged_gathers"] = [t.numpy().tolist() for t in two_gathers(tf.constant(0.0))]
     # A plain value counts as one value in each worker: MEAN gives it back.
     plain = tf.constant([1.0, 2.0])
     result["plain"] = {a: strategy.reduce(a, plain).values[0].numpy().tolist()
@@ -500,6 +514,7 @@ def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_devic
     assert result["complex_gathered"] == [1 + 0j, 1 + 1j, 1 + 2j, 1 + 3j]
     assert result["tower_writes"] == ([5.0, 5.0], {"sum": [4, 4], "mean": [1, 1]})
     assert result["plain"] == {"sum": [2.0, 4.0], "mean": [1.0, 2.0]}
+    assert result["ragged_gathers"] == [[[0.0] * 3, [1.0] * 3], [[0.0], [1.0]]]
   # The chief's ModelCheckpoint file loads with no strategy, with the trained weights.
   loaded = keras.models.load_model(str(tmp_path / "model.keras"))
   for got, want in zip(loaded.get_weights(), reference["weights"], strict=True):

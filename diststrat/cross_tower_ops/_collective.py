@@ -155,13 +155,6 @@ def all_reduce(values, devices, mean, timeout, communication_hint="auto", group=
   return results
 
 
-def all_reduce_max(value, device, group, timeout):
-  """This process's member (on `device`) of a collective maximum over `group`."""
-  with tf.device(device):
-    return _reduce_op(value, len(group), _KEYS.group_key(group), _KEYS.instance_key(),
-                      "Max", "Id", timeout)
-
-
 def all_gather(value, device, group, timeout):
   """This process's member of a collective gather over `group`: the members' values,
   of one shape, concatenated along axis 0 in the group's order."""

@@ -307,13 +307,17 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
       return tensor
     del worker_index
     device = self._bound()[0][0]
-    rows = tf.shape(tensor, out_type=tf.int64)[0]
-    longest = _collective.all_reduce_max(rows, device, self._leaders, _NO_TIMEOUT)
-    padding = [[0, longest - rows]] + [[0, 0]] * (tensor.shape.rank - 1)
+    # The lengths first, with a gather: no CollectiveReduce here. Grappler's
+    # ScopedAllocatorOptimizer (on for CollectiveReduce, _worker_group.py) may merge a
+    # function's all-reduces into one in one worker and not in another, when their
+    # inputs' shapes depend on the data (a worker whose towers got no rows): the members
+    # then disagree, and the job failed or crashed (SIGSEGV).
+    rows = tf.shape(tensor, out_type=tf.int64)[:1]
+    lengths = _collective.all_gather(rows, device, self._leaders, _NO_TIMEOUT)
+    longest = tf.reduce_max(lengths)
+    padding = [[0, longest - rows[0]]] + [[0, 0]] * (tensor.shape.rank - 1)
     padded = tf.pad(tensor, padding)
     gathered = _collective.all_gather(padded, device, self._leaders, _NO_TIMEOUT)
-    lengths = _collective.all_gather(tf.reshape(rows, [1]), device, self._leaders,
-                                     _NO_TIMEOUT)
     keep = tf.sequence_mask(lengths, longest)  # [workers, longest]
     return tf.boolean_mask(gathered, tf.reshape(keep, [-1]))
 
