@@ -459,6 +459,13 @@ def _boom_fn(strategy):
   return "ok"
 
 
+def _fail_later_in_task_0_fn(strategy):
+  if strategy.task_id == 0:
+    time.sleep(1.0)  # Task 1 fails first; task 0 (listed first) fails after it.
+    raise ValueError("task 0 failed later")
+  raise RuntimeError("task 1 failed first")
+
+
 def _unpicklable_result_fn(strategy):
   return lambda: strategy
 
@@ -818,6 +825,13 @@ def test_local_cluster_errors_and_cleanup(tmp_path):
         cluster.run_on_workers(_boom_fn)
       assert any("raised in worker task /job:worker/replica:0/task:1" in note
                  for note in info.value.__notes__)
+      # The worker that failed first is the one raised (task 0's error, first in task
+      # order, was raised before), and the later failure is named with its message.
+      with pytest.raises(RuntimeError, match="task 1 failed first") as info:
+        cluster.run_on_workers(_fail_later_in_task_0_fn)
+      assert ("(raised first, in /job:worker/replica:0/task:1; later failures: "
+              "/job:worker/replica:0/task:0: ValueError: task 0 failed later)"
+              in info.value.__notes__)
 
       def kill_worker_1():
         sync_files.wait_for_file(str(tmp_path / "sleeping"))

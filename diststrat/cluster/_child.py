@@ -9,7 +9,8 @@ where FD is its end of a socket pair, and sends one job (a dict) over it:
   dies).
 - {"kind": "worker", ...}: build the strategy the job names (`ParameterServerStrategy`
   or `MultiWorkerMirroredStrategy`) for the task, run
-  `fn(strategy, **kwargs)`, answer ("ok", pickled result) or ("error", ...), and exit.
+  `fn(strategy, **kwargs)`, answer ("ok", pickled result) or ("error", ...,
+  when it failed), and exit.
 
 Every child dies with the fork server, and the fork server with the cluster's process
 (`_forkserver`), so no process outlives the cluster. A child ends with `os._exit` so
@@ -26,6 +27,7 @@ import os
 import pickle
 import runpy
 import sys
+import time
 import traceback
 import types
 from multiprocessing import connection
@@ -74,13 +76,16 @@ def _serve_ps(conn, job):
 
 
 def _error_payload(error):
+  """("error", pickled or None, type name, message, traceback text, when): `when` is this
+  machine's monotonic clock, so the cluster can tell which worker failed first."""
+  when = time.monotonic()
   text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
   try:
     pickled = pickle.dumps(error)
     pickle.loads(pickled)
   except Exception:  # pylint: disable=broad-except
     pickled = None
-  return ("error", pickled, type(error).__name__, str(error), text)
+  return ("error", pickled, type(error).__name__, str(error), text, when)
 
 
 def _run_worker(conn, job):

@@ -239,7 +239,8 @@ class _WorkerRun:
         child.stop()
 
   def wait(self, timeout):
-    """Returns the results in task order, or raises the first worker's error."""
+    """Returns the results in task order, or raises the error of the worker that
+    failed first (in time), with the others' named in a note."""
     deadline = time.monotonic() + timeout
     lock = self._cluster._processes_lock
     while True:
@@ -264,7 +265,7 @@ class _WorkerRun:
           if message is not None:
             self._payloads[task_id] = message
           elif exited:
-            self._payloads[task_id] = ("died", child.process.returncode)
+            self._payloads[task_id] = ("died", child.process.returncode, time.monotonic())
     return self._results()
 
   def _results(self):
@@ -274,12 +275,13 @@ class _WorkerRun:
       if payload[0] == "ok":
         results.append(pickle.loads(payload[1]))
         continue
+      when = payload[-1]  # Monotonic, this machine's: when the task failed.
       if payload[0] == "died":
         error = errors.ClusterError(
             f"Worker task {name} {_processes.describe_exit(payload[1])} before returning a result "
             "(its output, if any, is above).", task=name)
       else:
-        _, pickled, type_name, message, text = payload
+        _, pickled, type_name, message, text, _ = payload
         error = None
         if pickled is not None:
           try:
@@ -290,12 +292,16 @@ class _WorkerRun:
           error = errors.ClusterError(f"{type_name} in worker task {name}: {message}",
                                       task=name)
         errors.add_note(error, f"(raised in worker task {name}; its traceback:\n{text.rstrip()})")
-      failures.append((name, error))
+      failures.append((when, name, error))
     if failures:
-      name, error = failures[0]
+      # The first to fail is the likely cause: the others often fail because of it (a
+      # collective whose peer is gone).
+      failures.sort(key=lambda failure: failure[0])
+      _, name, error = failures[0]
       if len(failures) > 1:
-        errors.add_note(error, "(worker tasks " + ", ".join(n for n, _ in failures[1:]) +
-                  " failed too)")
+        others = "; ".join(f"{n}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                           for _, n, e in failures[1:])
+        errors.add_note(error, f"(raised first, in {name}; later failures: {others})")
       raise error
     return results
 
@@ -543,8 +549,9 @@ class LocalCluster:
 
     Raises:
       TypeError: `fn` or `kwargs` cannot be pickled.
-      The first failing worker's exception (same type when it can be pickled, else
-      `ClusterError`), with a note naming the task and its traceback; `ClusterError`
+      The exception of the worker that failed first, in time (same type when it can be
+      pickled, else `ClusterError`), with notes naming the task, its traceback and the
+      later failures of other workers (often caused by the first); `ClusterError`
       naming the task if a worker process died or did not finish in time.
     """
     try:
