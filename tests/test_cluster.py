@@ -493,6 +493,11 @@ def _shape_mismatch_fn(strategy):
     tf.Variable(tf.zeros([4]), name="w")
 
 
+def _dtype_mismatch_fn(strategy):
+  with strategy.scope():
+    tf.Variable(tf.zeros([3], tf.int32), name="w")
+
+
 # --- tests -----------------------------------------------------------------------------
 
 
@@ -557,6 +562,12 @@ def test_existing_variables_keep_their_values_names_are_unique_slow_steps_time_o
                        rf"{PS0}/device:CPU:0 with shape \(3,\), but this program creates "
                        r"it with shape \(4,\)") as info:
       cluster.run_on_workers(_shape_mismatch_fn)
+    # Another dtype: a raw InvalidArgumentError at the first read before.
+    with pytest.raises(ValueError, match=r"Variable 'w' already exists on "
+                       rf"{PS0}/device:CPU:0 with another dtype, but this program creates "
+                       r"it as int32\. .*TensorFlow's message: Trying to read variable "
+                       r"with wrong dtype\. Expected int32 got float"):
+      cluster.run_on_workers(_dtype_mismatch_fn)
     [(slow, task, elapsed)] = cluster.run_on_workers(_slow_step_fn)
   assert first == ([11.0, 12.0, 13.0], "w_1", "w")
   assert second == ([111.0, 112.0, 113.0], "w_1", "w")  # Bound to w: not initialized again.

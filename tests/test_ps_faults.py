@@ -49,7 +49,24 @@ def _frozen_reads_fn(strategy, sync_dir, ckpt_dir):
     v = tf.Variable([1.0, 2.0], name="v")
   checkpoint = tf.train.Checkpoint(v=v)
   manager = tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=20)
+
+  def taped_read_in_a_tower():  # The tape made the read wait holding the GIL: a hang.
+    with tf.GradientTape() as tape:
+      y = tf.reduce_sum(v * 2.0)
+    return tape.gradient(y, v)
+
+  def eagerly_in_a_tower(fn, cache_reads):
+    strategy.cache_reads = cache_reads
+    try:
+      with strategy.scope():
+        return strategy.call_for_each_tower(fn)
+    finally:
+      strategy.cache_reads = True
+
   paths = {
+      "a taped read in a tower": lambda: eagerly_in_a_tower(taped_read_in_a_tower, True),
+      "a taped read in a tower, no cache": lambda: eagerly_in_a_tower(
+          taped_read_in_a_tower, False),
       "numpy": v.numpy,
       "read_value": lambda: v.read_value().numpy(),
       "np.asarray": lambda: np.asarray(v),
@@ -83,7 +100,7 @@ def test_frozen_ps_makes_eager_reads_and_saves_raise_within_step_timeout(tmp_pat
                                           ckpt_dir=str(ckpt_dir))
     finally:
       join()
-  assert len(outcomes) == 6
+  assert len(outcomes) == 8
   for path, outcome in outcomes.items():
     assert (outcome["kind"], outcome["type"], outcome["task"]) == (
         "raised", "ClusterError", PS0), (path, outcome)

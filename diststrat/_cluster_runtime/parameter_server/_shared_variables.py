@@ -50,6 +50,7 @@ order, like TensorFlow 1 graphs did, so two `tf.Variable()` calls that are both 
 
 import functools
 import itertools
+import re
 import time
 
 from diststrat._tf import tf
@@ -133,7 +134,16 @@ class SharedVariable(_tf_internal.ResourceVariableFromHandle):
 
   def _uncached_read(self):
     """The variable's value, read on its PS device (never from a read cache)."""
+    if self._read_in_a_guarded_tower():
+      return _function_read(self)
     return _run_on_ps(self, "_read_variable_op", _READ_ON_DEVICE, (), {})
+
+  def _read_in_a_guarded_tower(self):
+    """Whether a read is an eager one in a tower of a guarded call (an eager
+    `call_for_each_tower` or `run_step`), which the call's watchdog bounds: it must wait
+    for the PS without holding the GIL, else the watchdog cannot run."""
+    return (self._guard is not None and self._local_device is not None
+            and tf.executing_eagerly() and _in_real_tower())
 
   def _acknowledged(self):
     """Whether this call's eager operations must be acknowledged and bounded here.
@@ -211,6 +221,9 @@ def _on_variable_device(name, method):
       if self._acknowledged():
         self._check_healthy(name)
         return _bounded_read(self, name)
+      if name in _PLAIN_READS and self._read_in_a_guarded_tower():
+        self._check_healthy(name)
+        return _function_read(self)
       return _run_on_ps(self, name, method, args, kwargs)
   elif name in _WRITE_METHODS:
     def wrapper(self, *args, **kwargs):
@@ -352,6 +365,30 @@ def _bounded_read(variable, method):
   return result
 
 
+# The reads that return the whole value (sparse_read and gather_nd take the usual path).
+_PLAIN_READS = frozenset(_tf_internal.READ_METHODS)
+
+
+def _function_read(variable):
+  """Eagerly, in a tower of a guarded call: the variable's value, read by a function call.
+
+  An eager remote read op waits for a frozen PS holding the GIL, so the call's watchdog
+  could never raise `ClusterError` at `step_timeout` (a tape around the read made it
+  wait at once); a function call waits without it. The value comes back on this
+  worker; tapes of the tower see a read of the variable.
+  """
+  local_device = variable._local_device
+  read = _read_function(variable.device, local_device, variable.dtype)
+  # Tapes and forward accumulators see the read as recorded below, not the call (a
+  # forward accumulator cannot differentiate a call whose input is a remote handle).
+  with tf.device(local_device), _tf_internal.stop_recording():
+    value = read(variable.handle)
+  _tf_internal.variable_accessed(variable)
+  result = tf.identity(value)
+  _tf_internal.record_variable_read(variable, result)
+  return result
+
+
 @functools.lru_cache(maxsize=None)
 def _read_function(device, local_device, dtype):
   """A tf.function: a variable's value read on `device`, returned on `local_device`."""
@@ -386,7 +423,10 @@ def _create_if_missing_fn(device, dtype):
       created = tf.cond(exists, lambda: tf.constant(False), create)
       with tf.control_dependencies([created]):
         shape = tf.raw_ops.VariableShape(input=handle, out_type=tf.int64)
-      with tf.control_dependencies([shape]):
+        # A read in `dtype` fails at once (InvalidArgumentError, "wrong dtype") if the
+        # variable exists with another dtype; only its size leaves the PS.
+        size = tf.size(tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype))
+      with tf.control_dependencies([shape, size]):
         released = tf.raw_ops.ConsumeMutexLock(mutex_lock=lock)
       with tf.control_dependencies([released]):
         return tf.identity(created), tf.identity(shape)
@@ -413,7 +453,7 @@ def create_shared_variable(*, device, local_device, shared_name, initial_value, 
     A `SharedVariable`.
 
   Raises:
-    ValueError: the variable exists on its PS task with another shape.
+    ValueError: the variable exists on its PS task with another shape or dtype.
   """
   initial_value = tf.convert_to_tensor(initial_value)
   dtype = initial_value.dtype.base_dtype
@@ -430,7 +470,18 @@ def create_shared_variable(*, device, local_device, shared_name, initial_value, 
       if translated is e:
         raise
       raise translated from e
-    _, found = _create_if_missing_fn(device, dtype)(handle, initial_value)
+    try:
+      _, found = _create_if_missing_fn(device, dtype)(handle, initial_value)
+    except tf.errors.InvalidArgumentError as e:
+      said = [re.sub(r"^\(\d+\) [A-Z_]+:\s*", "", line.strip())  # "(0) INVALID_ARGUMENT: "
+              for line in str(e).splitlines() if "wrong dtype" in line]
+      if not said:
+        raise
+      raise ValueError(
+          f"Variable {shared_name!r} already exists on {device} with another dtype, but "
+          f"this program creates it as {dtype.name}. Workers that share a cluster must "
+          "create the same variables in the same order; restart the parameter servers to "
+          f"start from scratch. TensorFlow's message: {said[0]}") from None
     return handle, tf.TensorShape(found.numpy().tolist())
 
   def connect():
