@@ -248,16 +248,19 @@ def test_assign_in_tower_aggregates(aggregation, expected, mode):
 ])
 @pytest.mark.parametrize("dtype", [tf.float32, tf.int64])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_python_number_written_in_every_tower_counts_once_per_tower(aggregation, expected,
-                                                                     dtype, mode):
-  """`counter.assign_add(1)` in 4 towers: the same Python object in every tower counted
-  once with SUM (1, not 4, where a tensor gave 4), and an int64 counter raised (1 became
-  an int32 tensor)."""
+@pytest.mark.parametrize("made", ["python", "outside"])
+def test_a_value_written_in_every_tower_counts_once_per_tower(aggregation, expected, dtype,
+                                                             mode, made):
+  """`counter.assign_add(1)` in 4 towers: the same object in every tower (a Python
+  number, or a tensor made outside the towers) counted once with SUM (1, not 4, where a
+  tensor made in each tower gave 4), and an int64 counter raised (1 became an int32
+  tensor)."""
   s = strategy(4)
   with s.scope():
     v = tf.Variable(0, dtype=dtype, aggregation=aggregation)
+  one = 1 if made == "python" else tf.constant(1, dtype)
   with s.scope():
-    run(mode, lambda: s.call_for_each_tower(lambda: v.assign_add(1)))
+    run(mode, lambda: s.call_for_each_tower(lambda: v.assign_add(one)))
   assert [c.numpy().item() for c in v.values] == [expected] * 4
   assert all(c.dtype == dtype for c in v.values)
 

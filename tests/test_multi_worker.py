@@ -293,6 +293,10 @@ def _keras_fit_fn(strategy, checkpoint_dir):
     result["complex_sum"] = {complex(v.numpy()) for v in complex_sum}
     result["int8_sum"] = {(int(v.numpy()), v.dtype.name) for v in int8_sum}
     result["complex_gathered"] = [complex(v) for v in strategy.gather(complex_values).numpy()]
+    halves = strategy.call_for_each_tower(
+        lambda: tf.cast(ds.get_tower_context().tower_id, tf.bfloat16) / 2)
+    gathered = strategy.gather(halves)  # The gather kernels take no bfloat16.
+    result["bfloat16_gathered"] = (gathered.dtype.name, [float(v) for v in gathered.numpy()])
     # Tower writes: ONLY_FIRST_REPLICA takes global tower 0's (it took each worker's own
     # first tower's); a Python number counts once per tower (MEAN gave 0.5 per step).
     first = tf.Variable(0.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -512,6 +516,7 @@ def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_devic
     assert result["tower_local"] == (10.0, 10.0, [2.5, 2.5])
     assert result["complex_sum"] == {4 + 6j} and result["int8_sum"] == {(10, "int8")}
     assert result["complex_gathered"] == [1 + 0j, 1 + 1j, 1 + 2j, 1 + 3j]
+    assert result["bfloat16_gathered"] == ("bfloat16", [0.0, 0.5, 1.0, 1.5])
     assert result["tower_writes"] == ([5.0, 5.0], {"sum": [4, 4], "mean": [1, 1]})
     assert result["plain"] == {"sum": [2.0, 4.0], "mean": [1.0, 2.0]}
     assert result["ragged_gathers"] == [[[0.0] * 3, [1.0] * 3], [[0.0], [1.0]]]

@@ -422,7 +422,8 @@ class _Job:
       if task.ready_read is not None:
         os.close(task.ready_read)
         task.ready_read = None
-    left = _processes.stop_marked(JOB_MARK_ENV, self._mark, _GRACE)
+    left = _processes.stop_marked(JOB_MARK_ENV, self._mark, _GRACE,
+                                  killed_groups=[task.process.pid for task in self.tasks])
     if left:
       say(f"stopped {len(left)} process(es) that the job's tasks started outside their "
           "process groups and left running: " +

@@ -265,6 +265,8 @@ class _WorkerRun:
           if message is not None:
             self._payloads[task_id] = message
           elif exited:
+            # When this process noticed (within a poll of _POLL s of the exit): a failure
+            # it caused in another worker may sort before it in that window, rarely.
             self._payloads[task_id] = ("died", child.process.returncode, time.monotonic())
     return self._results()
 
@@ -299,7 +301,7 @@ class _WorkerRun:
       failures.sort(key=lambda failure: failure[0])
       _, name, error = failures[0]
       if len(failures) > 1:
-        others = "; ".join(f"{n}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        others = "; ".join(f"{n}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
                            for _, n, e in failures[1:])
         errors.add_note(error, f"(raised first, in {name}; later failures: {others})")
       raise error

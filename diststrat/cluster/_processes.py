@@ -241,10 +241,12 @@ def marked_processes(name: str, value: str) -> List[int]:
   return found
 
 
-def stop_marked(name: str, value: str, grace: float) -> Dict[int, str]:
-  """Stops every process marked `name=value` (`marked_processes`): SIGTERM, then SIGKILL
-  to those still there after `grace` seconds. Returns {pid: command line} of the
-  processes it signalled.
+def stop_marked(name: str, value: str, grace: float,
+                killed_groups: Sequence[int] = ()) -> Dict[int, str]:
+  """Stops every process marked `name=value` (`marked_processes`) outside
+  `killed_groups` (process groups the caller already sent SIGKILL: their members are
+  going): SIGTERM, then SIGKILL to those still there after `grace` seconds. Returns
+  {pid: command line} of the processes it signalled.
 
   Bounded: it looks for processes started meanwhile for at most `grace` seconds, then
   waits at most 1 s for the killed ones to go.
@@ -252,7 +254,8 @@ def stop_marked(name: str, value: str, grace: float) -> Dict[int, str]:
   signalled: Dict[int, str] = {}
   deadline = time.monotonic() + grace
   while True:
-    left = marked_processes(name, value)
+    left = [pid for pid in marked_processes(name, value)
+            if _group_of(pid) not in killed_groups]
     for pid in left:
       if pid not in signalled:
         signalled[pid] = _command_line(pid)
@@ -266,8 +269,15 @@ def stop_marked(name: str, value: str, grace: float) -> Dict[int, str]:
   end = time.monotonic() + 1.0  # Killed processes leave /proc's listing a moment later.
   while left and time.monotonic() < end:
     time.sleep(0.05)
-    left = marked_processes(name, value)
+    left = [pid for pid in marked_processes(name, value) if pid in signalled]
   return signalled
+
+
+def _group_of(pid: int) -> Optional[int]:
+  try:
+    return os.getpgid(pid)
+  except OSError:  # Gone already.
+    return None
 
 
 def _command_line(pid: int) -> str:

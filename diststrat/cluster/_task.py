@@ -27,7 +27,8 @@ CPUS_ENV = "DISTSTRAT_CPUS_PER_WORKER"
 # of the script's real path (symlinks resolved), as under `python script.py`. An exception the program does not catch is
 # reported as `python script.py` would: its traceback starts at the script's frame (not
 # this code's, nor runpy's; a SyntaxError has none, so only its place in the script is
-# shown), and the task exits with 1, or, for KeyboardInterrupt, is killed by SIGINT.
+# shown; an error with no frame of the script, such as one in a zipapp, keeps them all),
+# and the task exits with 1, or, for KeyboardInterrupt, is killed by SIGINT.
 WORKER_CODE = (
     "import os as _o, runpy as _r, sys as _s\n"
     f"_n = int(_o.environ.pop('{CPUS_ENV}', '0') or 0)\n"
@@ -50,7 +51,8 @@ WORKER_CODE = (
     "  _b = _e.__traceback__\n"
     "  while _b is not None and _o.path.abspath(_b.tb_frame.f_code.co_filename) != _p:\n"
     "    _b = _b.tb_next\n"
-    "  _e = _e.with_traceback(_b)\n"
+    "  _e = _e.with_traceback(_b if _b is not None or isinstance(_e, SyntaxError)\n"
+    "                         else _e.__traceback__)\n"
     "  _s.excepthook(type(_e), _e, _e.__traceback__)\n"
     "  if isinstance(_e, KeyboardInterrupt):\n"
     "    import signal as _g\n"

@@ -101,16 +101,19 @@ _WIDER = {tf.int8: tf.int32, tf.int16: tf.int32, tf.uint8: tf.int32, tf.uint16: 
           tf.uint32: tf.int64}
 
 
-def _carried(value):
-  """`value` in a dtype the collectives take, and the function that turns a sum (or a
-  gather along axis 0) of such values back into `value`'s dtype.
+def _carried(value, gather=False):
+  """`value` in a dtype the collectives take, and the function that turns a sum (or, with
+  `gather`, a gather along axis 0) of such values back into `value`'s dtype.
 
   A complex value travels as its real and imaginary parts on a last axis of 2; a small
   or unsigned integer in a wider signed one (its sum wraps back as the dtype's own
-  addition would); uint64 as int64, bit for bit (two's complement adds alike). Other
+  addition would); uint64 as int64, bit for bit (two's complement adds alike); for a
+  gather, whose kernels do not take bfloat16, bfloat16 as float32 (exactly). Other
   dtypes go as they are, and TensorFlow's error names them.
   """
   dtype = value.dtype
+  if gather and dtype == tf.bfloat16:
+    return tf.cast(value, tf.float32), lambda total: tf.cast(total, dtype)
   if dtype in _COLLECTIVE_DTYPES:
     return value, lambda total: total
   if dtype.is_complex:
@@ -161,7 +164,7 @@ def all_gather(value, device, group, timeout):
   with tf.device(device):
     group_size, group_key, instance_key = (len(group), _KEYS.group_key(group),
                                            _KEYS.instance_key())
-    carrier, back = _carried(value)
+    carrier, back = _carried(value, gather=True)
     if _tf_internal.in_while_loop():
       return back(_tf_internal.all_gather_v2(carrier, group_size, group_key, instance_key,
                                              timeout, ordering_token=_ordering_token()))

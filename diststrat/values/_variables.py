@@ -395,17 +395,19 @@ class MirroredVariable(DistributedVariable):
           "(or MEAN, ONLY_FIRST_REPLICA), or write it in cross-tower context "
           "(strategy.update() or merge_call).")
     aggregation = self._aggregation
-    if not isinstance(value, (tf.Tensor, tf.Variable, tf.IndexedSlices,
-                              _wrapped.DistributedValues)):
-      # A Python or numpy value becomes each tower's own tensor, of this variable's dtype:
-      # `counter.assign_add(1)` in every tower adds 1 per tower with SUM (the same Python
-      # object in every tower would otherwise count once), and 1 becomes an int64 for an
-      # int64 counter, as it does for a plain variable.
+    # Each tower's value is its own tensor: the same object in every tower (a Python
+    # number, a tensor made outside the towers) would count once in the reduction, so
+    # `counter.assign_add(1)` in every tower would add 1, not 1 per tower, with SUM. A
+    # Python or numpy value takes this variable's dtype (1 becomes an int64 for an int64
+    # counter), as it does for a plain variable.
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+      value = tf.identity(value)
+    elif not isinstance(value, (tf.IndexedSlices, _wrapped.DistributedValues)):
       value = tf.convert_to_tensor(value, dtype=self.dtype)
 
     def merge_fn(strategy, value):
       if aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA:
-        value = strategy._first_tower_value(value)  # pylint: disable=protected-access
+        value = strategy._first_tower_value(value)
       else:
         value = strategy.reduce(aggregation, value, destinations=self)
       return strategy.update(self, lambda component, v: getattr(component, method)(

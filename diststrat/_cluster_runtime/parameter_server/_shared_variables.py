@@ -50,7 +50,6 @@ order, like TensorFlow 1 graphs did, so two `tf.Variable()` calls that are both 
 
 import functools
 import itertools
-import re
 import time
 
 from diststrat._tf import tf
@@ -221,7 +220,7 @@ def _on_variable_device(name, method):
       if self._acknowledged():
         self._check_healthy(name)
         return _bounded_read(self, name)
-      if name in _PLAIN_READS and self._read_in_a_guarded_tower():
+      if self._read_in_a_guarded_tower():
         self._check_healthy(name)
         return _function_read(self)
       return _run_on_ps(self, name, method, args, kwargs)
@@ -231,6 +230,9 @@ def _on_variable_device(name, method):
         return _run_on_ps(self, name, method, args, kwargs)
       finally:
         _read_cache.invalidate(self)
+        if tf.executing_eagerly() and name not in _ACKNOWLEDGED_WRITES:
+          # Sent as an eager op, not waited for: the next read must not overtake it.
+          self._unacknowledged_write = True
   else:
     def wrapper(self, *args, **kwargs):
       return _run_on_ps(self, name, method, args, kwargs)
@@ -365,8 +367,8 @@ def _bounded_read(variable, method):
   return result
 
 
-# The reads that return the whole value (sparse_read and gather_nd take the usual path).
-_PLAIN_READS = frozenset(_tf_internal.READ_METHODS)
+# The eager writes that `_run_on_ps` sends as an acknowledged function call.
+_ACKNOWLEDGED_WRITES = frozenset([*_ASSIGN_OPS, *_SCATTER_OPS, *_SCATTER_ND_OPS])
 
 
 def _function_read(variable):
@@ -375,8 +377,16 @@ def _function_read(variable):
   An eager remote read op waits for a frozen PS holding the GIL, so the call's watchdog
   could never raise `ClusterError` at `step_timeout` (a tape around the read made it
   wait at once); a function call waits without it. The value comes back on this
-  worker; tapes of the tower see a read of the variable.
+  worker; tapes of the tower see a read of the variable. (Sparse reads, such as an
+  embedding lookup, are eager ops still.)
+
+  After an eager write this process sent without waiting (a slice assignment), the
+  read is an eager op, as before: a function call could overtake the write.
   """
+  if getattr(variable, "_unacknowledged_write", False):
+    value = _run_on_ps(variable, "_read_variable_op", _READ_ON_DEVICE, (), {})
+    variable._unacknowledged_write = False  # The read ran after it.
+    return value
   local_device = variable._local_device
   read = _read_function(variable.device, local_device, variable.dtype)
   # Tapes and forward accumulators see the read as recorded below, not the call (a
@@ -423,10 +433,7 @@ def _create_if_missing_fn(device, dtype):
       created = tf.cond(exists, lambda: tf.constant(False), create)
       with tf.control_dependencies([created]):
         shape = tf.raw_ops.VariableShape(input=handle, out_type=tf.int64)
-        # A read in `dtype` fails at once (InvalidArgumentError, "wrong dtype") if the
-        # variable exists with another dtype; only its size leaves the PS.
-        size = tf.size(tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype))
-      with tf.control_dependencies([shape, size]):
+      with tf.control_dependencies([shape]):
         released = tf.raw_ops.ConsumeMutexLock(mutex_lock=lock)
       with tf.control_dependencies([released]):
         return tf.identity(created), tf.identity(shape)
@@ -453,7 +460,10 @@ def create_shared_variable(*, device, local_device, shared_name, initial_value, 
     A `SharedVariable`.
 
   Raises:
-    ValueError: the variable exists on its PS task with another shape or dtype.
+    ValueError: the variable exists on its PS task with another shape. (Another dtype
+      is not detected here: TensorFlow has no op that tells a variable's dtype without
+      reading it, and a read in the wrong dtype of a variable once read sparsely aborts
+      the PS task.)
   """
   initial_value = tf.convert_to_tensor(initial_value)
   dtype = initial_value.dtype.base_dtype
@@ -470,18 +480,7 @@ def create_shared_variable(*, device, local_device, shared_name, initial_value, 
       if translated is e:
         raise
       raise translated from e
-    try:
-      _, found = _create_if_missing_fn(device, dtype)(handle, initial_value)
-    except tf.errors.InvalidArgumentError as e:
-      said = [re.sub(r"^\(\d+\) [A-Z_]+:\s*", "", line.strip())  # "(0) INVALID_ARGUMENT: "
-              for line in str(e).splitlines() if "wrong dtype" in line]
-      if not said:
-        raise
-      raise ValueError(
-          f"Variable {shared_name!r} already exists on {device} with another dtype, but "
-          f"this program creates it as {dtype.name}. Workers that share a cluster must "
-          "create the same variables in the same order; restart the parameter servers to "
-          f"start from scratch. TensorFlow's message: {said[0]}") from None
+    _, found = _create_if_missing_fn(device, dtype)(handle, initial_value)
     return handle, tf.TensorShape(found.numpy().tolist())
 
   def connect():
