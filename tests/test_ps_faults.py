@@ -111,6 +111,48 @@ def test_frozen_ps_makes_eager_reads_and_saves_raise_within_step_timeout(tmp_pat
     assert outcome["after_thaw"] == [1.0, 2.0], (path, outcome)
 
 
+def _frozen_keras_fn(strategy, sync_dir):
+  import keras  # pylint: disable=import-outside-toplevel
+  control = Control(sync_dir)
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+  x, y = np.ones((16, 4), np.float32), np.ones((16, 1), np.float32)
+  paths = {
+      "fit": lambda: model.fit(x, y, batch_size=8, epochs=2, verbose=0),
+      "evaluate": lambda: model.evaluate(x, y, batch_size=8, verbose=0),
+      "predict": lambda: model.predict(x, batch_size=8, verbose=0),
+  }
+  outcomes = {}
+  for name, path in paths.items():
+    path()  # Traced, and the step functions bounded, before the freeze.
+    control("freeze")
+    outcomes[name] = describe(*bounded(path, STEP_TIMEOUT + MARGIN))
+    control("thaw")
+    reconnect(strategy)
+  return outcomes
+
+
+@pytest.mark.timeout(300)
+def test_keras_fit_evaluate_predict_on_a_frozen_ps_raise_within_step_timeout(tmp_path):
+  """Keras calls its compiled steps directly, which blocked forever on a frozen PS: they
+  run through `run_step` now."""
+  sync_dir = tmp_path / "sync"
+  sync_dir.mkdir()
+  with _cluster() as cluster:
+    join = serve_faults(cluster, str(sync_dir))
+    try:
+      [outcomes] = cluster.run_on_workers(_frozen_keras_fn, sync_dir=str(sync_dir))
+    finally:
+      join()
+  assert sorted(outcomes) == ["evaluate", "fit", "predict"]
+  for path, outcome in outcomes.items():
+    assert (outcome["kind"], outcome["type"], outcome["task"]) == (
+        "raised", "ClusterError", PS0), (path, outcome)
+    assert "did not finish within step_timeout" in outcome["message"], (path, outcome)
+    assert outcome["elapsed"] < STEP_TIMEOUT + MARGIN, (path, outcome)
+
+
 # --- a killed PS: writes are acknowledged (item 3) -------------------------------------
 
 

@@ -298,7 +298,7 @@ class StrategyAdapter:
   def scope(self):
     _model_checks.check_no_other_strategy(
         self._ds, "A Keras model (or optimizer, or other tf.distribute-aware code)")
-    _model_checks.check_model_asking_for_scope(self)
+    _training.bound_steps(self, _model_checks.check_model_asking_for_scope(self))
     return self._adapter_scope()
 
   @contextlib.contextmanager
@@ -375,6 +375,7 @@ class StrategyAdapter:
     del options
     _model_checks.check_step(self, fn)
     _training.route_step(self, fn)
+    _training.bound_steps(self, getattr(fn, "__self__", None))
     args, kwargs = _training.split_step_inputs(self._ds, args, kwargs)
     with self._adapter_scope():
       # Keras runs its steps without AutoGraph (as on one device): towers do the same.

@@ -43,10 +43,13 @@ def check_model_asking_for_scope(adapter):
   """Checks the Keras model that enters `adapter`'s scope (its `fit`, `evaluate` or
   `predict` building its state there), before Keras builds the optimizer: an optimizer
   created outside the scope would fail there with TensorFlow's "Mixing different
-  tf.distribute.Strategy objects", which names no model and no fix."""
+  tf.distribute.Strategy objects", which names no model and no fix. Returns that model
+  when it is the adapter's, else None."""
   model = _tf_internal.keras_model_on_stack(max_frames=3, skip=2)
   if model is not None and _tf_internal.keras_model_strategy(model) is adapter:
     check_model(adapter, model)
+    return model
+  return None
 
 
 def check_used_outside(adapter, var, what):

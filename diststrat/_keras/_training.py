@@ -32,6 +32,12 @@ of the strategy:
   the part's static batch size, unknown in a traced step, so the towers' means would
   be averaged unweighted.
 
+Under a `ParameterServerStrategy` of a cluster, three more of a model's attributes
+(`bound_steps`): `make_train_function`, `make_test_function` and `make_predict_function`,
+so that the compiled steps they make (which `fit`, `evaluate` and `predict` call for
+each batch, directly) run through the strategy's `run_step`, bounded by `step_timeout`:
+a frozen parameter server would block them forever.
+
 Importing this module registers a tensor conversion for `TowerShare` with TensorFlow.
 """
 
@@ -450,3 +456,65 @@ def check_splittable(value):
         f"{type(value).__name__}. Convert it to a dense tensor (for example in the "
         "tf.data pipeline) or run the model outside any strategy.")
   return value
+
+
+# --- a Keras model's compiled steps, bounded on a cluster of parameter servers ----------
+
+_STEP_FUNCTIONS = {"make_train_function": "train_function",
+                   "make_test_function": "test_function",
+                   "make_predict_function": "predict_function"}
+# Keras model -> the strategy whose run_step runs its steps
+_bounded_models: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def bound_steps(adapter, model):
+  """Under a `ParameterServerStrategy` of a cluster, makes `model`'s compiled steps run
+  through the strategy's `run_step` (bounded by `step_timeout`, and returning once their
+  writes reached the parameter servers), as a custom loop's steps do.
+
+  Keras calls the function `make_train_function` (and its test and predict siblings)
+  made for each batch, directly; a tf.function called directly blocks forever on a
+  frozen parameter server. The model's `make_*_function` attributes are replaced on the
+  instance: each calls Keras's own, then wraps the function it made; a function made
+  already is wrapped at once. Called where diststrat meets the model (its `fit`,
+  `evaluate` or `predict` entering the scope, and each step it hands the strategy).
+  """
+  strategy = adapter.diststrat_strategy
+  if (model is None or getattr(strategy, "cluster_spec", None) is None
+      or not callable(getattr(strategy, "run_step", None))):
+    return
+  if _bounded_models.get(model) is strategy:
+    _wrap_step_functions(model, strategy)  # Made since, outside `make_*` (rare).
+    return
+  model_ref = weakref.ref(model)
+  for make_name in _STEP_FUNCTIONS:
+    own = getattr(type(model), make_name, None)
+    if own is None:
+      continue
+
+    def make(force=False, own=own):
+      made = own(model_ref(), force=force)
+      _wrap_step_functions(model_ref(), strategy)
+      return made
+
+    object.__setattr__(model, make_name, make)  # Plain instance attribute: not tracked.
+  _bounded_models[model] = strategy
+  _wrap_step_functions(model, strategy)
+
+
+def _wrap_step_functions(model, strategy):
+  for attribute in _STEP_FUNCTIONS.values():
+    function = getattr(model, attribute, None)
+    if function is None or getattr(function, "_diststrat_bounded", False):
+      continue
+
+    def step(*args, function=function, **kwargs):
+      return function(*args, **kwargs)
+
+    step.__name__ = f"Keras's {attribute} of model {model.name!r}"  # run_step names it.
+
+    def bounded(*args, step=step, **kwargs):
+      return strategy.run_step(step, *args, **kwargs)
+
+    bounded._diststrat_bounded = True  # type: ignore[attr-defined]
+    object.__setattr__(model, attribute, bounded)
