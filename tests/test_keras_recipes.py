@@ -331,6 +331,41 @@ def test_keras_metrics_stay_per_worker_in_a_ps_cluster(tmp_path):
         devices
 
 
+STEPS_EACH = 150
+
+
+def _count_steps_fn(strategy, sync_dir):
+  """Trains STEPS_EACH Keras SGD steps, started with the other worker (both at once)."""
+  with strategy.scope():
+    w = tf.Variable(tf.zeros([3]), name="w")
+    optimizer = keras.optimizers.SGD(0.5)
+    optimizer.build([w])
+
+  @tf.function
+  def step():
+    strategy.call_for_each_tower(lambda: optimizer.apply_gradients([(tf.ones([3]), w)]))
+
+  strategy.run_step(step)  # Traced before the other worker starts counting.
+  open(os.path.join(sync_dir, f"ready_{strategy.task_id}"), "w").close()
+  _wait_for(os.path.join(sync_dir, f"ready_{1 - strategy.task_id}"))
+  for _ in range(STEPS_EACH - 1):
+    strategy.run_step(step)
+  open(os.path.join(sync_dir, f"done_{strategy.task_id}"), "w").close()
+  _wait_for(os.path.join(sync_dir, f"done_{1 - strategy.task_id}"))
+  return int(optimizer.iterations.numpy()), w.numpy().tolist()
+
+
+@pytest.mark.processes
+def test_keras_iterations_count_every_workers_steps_in_a_ps_cluster(tmp_path):
+  """Keras increments `iterations` as a read and a write: two workers stepping at once
+  lost increments; the weights' updates never."""
+  with LocalCluster(num_ps=1, num_workers=2, start_timeout=60, result_timeout=150) as cluster:
+    results = cluster.run_on_workers(_count_steps_fn, sync_dir=str(tmp_path))
+  for iterations, weights in results:
+    assert iterations == 2 * STEPS_EACH
+    assert weights == [-0.5 * 2 * STEPS_EACH] * 3
+
+
 # --- smaller recipes -----------------------------------------------------------------
 
 

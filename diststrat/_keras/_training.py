@@ -265,6 +265,32 @@ def apply_from_tower(adapter, optimizer, grads, trainable_variables=None):
   return None
 
 
+def _atomic_step_counts(strategy, optimizer):
+  """Under a `ParameterServerStrategy` of a cluster, makes the step count of `optimizer`
+  (and of the optimizer it wraps, for a `LossScaleOptimizer`) go up with one atomic
+  `assign_add` on its parameter server.
+
+  Keras 3 increments `iterations` as `self.assign(self + 1)`, a read and then a write:
+  workers training at once lost each other's increments (and Adam's bias correction
+  and learning-rate schedules read the count). The variable's own `assign_add` is
+  replaced on the instance; it adds on the PS, under the variable's lock.
+  """
+  if getattr(strategy, "cluster_spec", None) is None or not callable(
+      getattr(strategy, "run_step", None)):
+    return
+  for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+    count = getattr(opt, "iterations", None)
+    backing = _tf_internal.keras_backing_variable(count)
+    if backing is None or "assign_add" in vars(count):
+      continue
+
+    def assign_add(value, backing=backing):
+      backing.assign_add(tf.cast(value, backing.dtype), read_value=False)
+      return value
+
+    object.__setattr__(count, "assign_add", assign_add)
+
+
 def _nothing_without_an_example(grads, share):
   """The tower's gradients, or zeros when its part of the batch has no example.
 
@@ -356,6 +382,7 @@ def apply_summed(strategy, adapter, optimizer, grads, variables):
       for part in ("values", "indices"):
         sources[getattr(summed[i], part).ref()] = {
             d: getattr(value.get(d), part) for d in value.devices}
+  _atomic_step_counts(strategy, optimizer)
   _applying_summed[adapter] = _applying_summed.get(adapter, 0) + 1
   try:
     with _tf_internal.tf_distribution_mode(adapter, SummedGradientsContext(adapter)), \
