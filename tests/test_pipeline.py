@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import diststrat as ds
+from diststrat import _devices
 from diststrat.pipeline import GPipe, estimate_costs, partition
 from conftest import CPUS
 
@@ -305,14 +306,20 @@ def test_tf_module_callable_with_its_own_variable():
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
-def test_recompute_replays_dropout_and_updates_moving_statistics_once(mode):
+@pytest.mark.parametrize("partition", [[2, 2], [1, 3]])
+def test_recompute_replays_dropout_and_updates_moving_statistics_once(mode, partition):
+  """[1, 3] puts the Dropout on stage 1: Keras made its seed state in the layer's
+  constructor, on the default device, and GPipe refused it as "built before"."""
   keras.utils.set_random_seed(10)
   layers = [keras.layers.Dense(12), keras.layers.Dropout(0.5, seed=4),
             keras.layers.BatchNormalization(), keras.layers.Dense(3)]
-  keep = GPipe(layers, devices=CPUS[:2], num_micro_batches=4, partition=[2, 2])
-  again = GPipe(layers, devices=CPUS[:2], num_micro_batches=4, partition=[2, 2],
+  keep = GPipe(layers, devices=CPUS[:2], num_micro_batches=4, partition=partition)
+  again = GPipe(layers, devices=CPUS[:2], num_micro_batches=4, partition=partition,
                 recompute=True)
   keep.build((BATCH, FEATURES))
+  dropout_stage = 0 if partition[0] == 2 else 1
+  assert [_devices.canonicalize(v.value.device) for v in layers[1].non_trainable_variables] \
+      == [CPUS[dropout_stage]]
   state = [v for layer in layers for v in layer.non_trainable_variables]
   initial = [v.numpy() for v in state]
   x = _input(seed=5)

@@ -247,6 +247,16 @@ def test_keras_backing_variable():
   assert _tf_internal.keras_backing_variable(tf.constant(1.0)) is None
 
 
+def test_keras_seed_generators():
+  dropout = keras.layers.Dropout(0.5, seed=3)
+  generators = _tf_internal.keras_seed_generators(dropout)
+  assert len(generators) == 1 and isinstance(generators[0], keras.random.SeedGenerator), _broke(
+      "keras_seed_generators", f"Keras {keras.__version__} layers track no _seed_generators")
+  assert generators[0].state is dropout.non_trainable_variables[0]
+  assert _tf_internal.keras_seed_generators(keras.layers.Dense(2)) == []
+  assert _tf_internal.keras_seed_generators(tf.Module()) == []
+
+
 def test_keras_optimizer_strategy():
   strategy = ds.MirroredStrategy(CPUS[:2])
   with strategy.scope():

@@ -529,10 +529,13 @@ def bound_steps(adapter, model):
   _wrap_step_functions(model, strategy)
 
 
+_bounded_functions: "weakref.WeakSet[Any]" = weakref.WeakSet()  # The wrappers below.
+
+
 def _wrap_step_functions(model, strategy):
   for attribute in _STEP_FUNCTIONS.values():
     function = getattr(model, attribute, None)
-    if function is None or getattr(function, "_diststrat_bounded", False):
+    if function is None or function in _bounded_functions:
       continue
 
     def step(*args, function=function, **kwargs):
@@ -543,5 +546,5 @@ def _wrap_step_functions(model, strategy):
     def bounded(*args, step=step, **kwargs):
       return strategy.run_step(step, *args, **kwargs)
 
-    bounded._diststrat_bounded = True  # type: ignore[attr-defined]
+    _bounded_functions.add(bounded)
     object.__setattr__(model, attribute, bounded)

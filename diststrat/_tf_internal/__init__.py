@@ -59,6 +59,7 @@ from diststrat._tf_internal._functions import call_flat as call_flat
 from diststrat._tf_internal._keras import keras_backing_variable as keras_backing_variable
 from diststrat._tf_internal._keras import keras_fit_callbacks as keras_fit_callbacks
 from diststrat._tf_internal._keras import keras_optimizer_strategy as keras_optimizer_strategy
+from diststrat._tf_internal._keras import keras_seed_generators as keras_seed_generators
 from diststrat._tf_internal._keras import keras_model_strategy as keras_model_strategy
 from diststrat._tf_internal._keras import keras_model_on_stack as keras_model_on_stack
 from diststrat._tf_internal._keras import keras_optimizer_being_created as keras_optimizer_being_created
@@ -118,7 +119,8 @@ __all__ = [
     "record_backward", "stop_recording", "should_record", "variable_accessed",
     "record_variable_read",
     # Keras
-    "keras_backing_variable", "keras_optimizer_strategy", "keras_model_strategy",
+    "keras_backing_variable", "keras_optimizer_strategy", "keras_seed_generators",
+    "keras_model_strategy",
     "keras_model_on_stack",
     "keras_optimizer_being_created",
     "keras_output_loss_trackers",

@@ -35,6 +35,12 @@ def keras_backing_variable(value):
   return None
 
 
+def keras_seed_generators(layer):
+  """The `SeedGenerator`s a Keras 3 layer made (Dropout's, GaussianNoise's, ...), which
+  it tracks without a public accessor; [] for anything else."""
+  return list(getattr(layer, "_seed_generators", None) or ())
+
+
 def keras_optimizer_strategy(optimizer):
   """The `tf.distribute` strategy a Keras 3 optimizer captured when created, or None.
 

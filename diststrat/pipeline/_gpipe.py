@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _devices
+from diststrat import _tf_internal
 from diststrat import errors
 from diststrat._arguments import as_tf_variable
 from diststrat.pipeline import _cost
@@ -210,6 +211,7 @@ class GPipe(tf.Module):
     for s, (a, b) in enumerate(self._ranges()):
       with _placement(strategy, columns[s]):
         for i in range(a, b):
+          _place_seed_states(self._layers[i], columns[s], strategy)
           _build_layer(self._layers[i], trace.specs[i])
       declared = [as_tf_variable(v) for i in range(a, b)
                   for v in _layer_variables(self._layers[i], True)]
@@ -504,16 +506,47 @@ def _build_layer(layer, spec):
   layer(keras.KerasTensor(shape, dtype=tf.as_dtype(dtype).name))
 
 
-def _check_placement(layer, index, stage, column, strategy):
+def _place_seed_states(layer, column, strategy):
+  """Moves the seed states of a Keras layer to its stage (under `_placement`).
+
+  Keras layers that draw random numbers (Dropout, GaussianNoise, ...) make their
+  `SeedGenerator`, and its state variable, in `__init__` (and count themselves built):
+  on whatever device was current then, before GPipe could place it. Each such state is made again here, by a new
+  `SeedGenerator` (so that it is created as Keras makes seed states), given the old
+  state's value (its seed and its count), and put in the old generator's place.
+  """
+  if not _cost.is_keras_layer(layer):
+    return
+  for generator in _tf_internal.keras_seed_generators(layer):
+    if _placed_on(as_tf_variable(generator.state), column, strategy):
+      continue
+    import keras  # pylint: disable=g-import-not-at-top
+    value = generator.state.numpy()
+    fresh = keras.random.SeedGenerator(seed=int(value[0]), name=generator.name)
+    fresh.state.assign(value)
+    generator.state = fresh.state
+
+
+def _placed_on(variable, column, strategy):
+  """Whether `variable` is where GPipe puts a stage's variables: on `column`, mirrored
+  over it inside a MirroredStrategy."""
   mirrored = isinstance(strategy, _mirrored.MirroredStrategy)
+  if isinstance(variable, _wrapped.DistributedValues):
+    where = tuple(variable.devices)
+  else:
+    where = (_devices.canonicalize(variable.device),) if variable.device else ()
+  return where == tuple(column) and mirrored == isinstance(variable, _wrapped.DistributedValues)
+
+
+def _check_placement(layer, index, stage, column, strategy):
   for v in _layer_variables(layer, True) + _layer_variables(layer, False):
     variable = as_tf_variable(v)
+    if _placed_on(variable, column, strategy):
+      continue
     if isinstance(variable, _wrapped.DistributedValues):
       where = tuple(variable.devices)
     else:
       where = (_devices.canonicalize(variable.device),) if variable.device else ()
-    if where == tuple(column) and (mirrored == isinstance(variable, _wrapped.DistributedValues)):
-      continue
     raise ValueError(
         f"GPipe places stage {stage}'s variables on {list(column)} when it builds its "
         f"layers, but {_cost.describe(layer, index)} was built before, with variable "
