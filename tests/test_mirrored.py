@@ -276,7 +276,7 @@ def test_assign_in_tower_without_aggregation_raises():
 
 @pytest.mark.parametrize("aggregation", ["sum", "mean"])
 @pytest.mark.parametrize("mode", MODES)
-def test_tower_local_variable(aggregation, mode):
+def test_tower_local_variable(aggregation, mode, tmp_path):
   s = strategy(4)
   agg = {"sum": tf.VariableAggregation.SUM, "mean": tf.VariableAggregation.MEAN}[aggregation]
   with s.scope():
@@ -295,6 +295,16 @@ def test_tower_local_variable(aggregation, mode):
   expected = 10.0 if aggregation == "sum" else 2.5
   assert float(read) == expected
   assert float(tf.convert_to_tensor(v)) == expected
+  # A checkpoint, synchronous or asynchronous, saves the aggregate (an asynchronous one
+  # saved the first copy's 1.0).
+  checkpoint = tf.train.Checkpoint(v=v)
+  options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+  for name, written in (("sync", lambda p: checkpoint.write(p)),
+                        ("async", lambda p: checkpoint.write(p, options=options))):
+    path = written(str(tmp_path / name))
+    checkpoint.sync()
+    saved = tf.train.load_variable(path, "v/.ATTRIBUTES/VARIABLE_VALUE")
+    assert float(saved) == expected, name
   with s.scope():
     v.assign(8.0)  # Cross-tower: the aggregate becomes 8.
     assert float(s.read_var(v)) == 8.0

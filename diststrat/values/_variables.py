@@ -529,6 +529,14 @@ class TowerLocalVariable(DistributedVariable):
   def _saved_value(self):
     return self._aggregate()
 
+  def _copy_trackable_to_cpu(self, object_map):
+    # An asynchronous checkpoint saves the host copy: it must hold what a synchronous
+    # save writes, the aggregate, not the first copy's part of it.
+    super()._copy_trackable_to_cpu(object_map)
+    host = object_map[self]
+    with tf.device(host.device):
+      host.assign(tf.cast(self._saved_value(), host.dtype))
+
   def _restore_value(self, value):
     # The saved aggregate, split over the copies as a cross-tower assign splits it.
     return self._write_all("assign", tf.cast(value, self.dtype), read_value=False,
