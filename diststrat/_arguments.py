@@ -134,6 +134,15 @@ def initial_value_tensor(kwargs):
   the requested `dtype`, in the current device scope.
   """
   value = kwargs.get("initial_value")
+  if value is None:
+    # TensorFlow's SavedModel loader makes its variables so (it restores them after),
+    # and so does a variable made with only a shape and a dtype.
+    raise ValueError(
+        f"Variable {kwargs.get('name')!r} is created without an initial value (as "
+        "tf.saved_model.load does) inside a diststrat strategy's scope, which makes "
+        "every variable from its initial value. Call tf.saved_model.load outside the "
+        "scope (its functions can then run in call_for_each_tower), or give the "
+        "variable an initial_value.")
   if callable(value):
     value = value()
   if isinstance(value, tf.Tensor) and kwargs.get("dtype") is None:

@@ -663,3 +663,20 @@ def test_an_error_in_one_member_ends_the_collective_without_a_timeout():
   out = subprocess.run([sys.executable, "-c", _FAILING_MEMBER.format(root=root)],
                        capture_output=True, text=True, timeout=240).stdout
   assert "RAISED True" in out, out
+
+
+def test_saved_model_load_inside_the_scope_says_to_load_outside(tmp_path):
+  """TensorFlow's loader makes variables with no initial value (it restores them after):
+  inside the scope that was a raw "Attempt to convert a value (None)" error."""
+  module = tf.Module()
+  module.v = tf.Variable([1.0, 2.0])
+  module.f = tf.function(lambda: module.v * 2.0, input_signature=[])
+  tf.saved_model.save(module, str(tmp_path / "saved"))
+  s = strategy(2)
+  with s.scope():
+    with pytest.raises(ValueError, match=r"is created without an initial value \(as "
+                       r"tf.saved_model.load does\) inside a diststrat strategy's scope.*"
+                       r"Call tf.saved_model.load outside the scope"):
+      tf.saved_model.load(str(tmp_path / "saved"))
+  loaded = tf.saved_model.load(str(tmp_path / "saved"))  # Outside: works, as documented.
+  np.testing.assert_allclose(loaded.f().numpy(), [2.0, 4.0])
