@@ -680,3 +680,16 @@ def test_saved_model_load_inside_the_scope_says_to_load_outside(tmp_path):
       tf.saved_model.load(str(tmp_path / "saved"))
   loaded = tf.saved_model.load(str(tmp_path / "saved"))  # Outside: works, as documented.
   np.testing.assert_allclose(loaded.f().numpy(), [2.0, 4.0])
+
+
+def test_a_checkpoint_of_another_shape_is_refused_as_tensorflow_says_it(tmp_path):
+  """Under a strategy the restore reached each copy's assign, whose message ("Cannot
+  assign value to variable ...") did not say a restore failed."""
+  path = tf.train.Checkpoint(w=tf.Variable([1.0, 2.0, 3.0])).write(str(tmp_path / "c"))
+  s = strategy(2)
+  with s.scope():
+    w = tf.Variable([0.0, 0.0])
+  with pytest.raises(ValueError, match=r"Received incompatible tensor with shape \(3,\) when "
+                     r"attempting to restore variable with shape \(2,\)"):
+    tf.train.Checkpoint(w=w).read(path)
+  assert [c.numpy().tolist() for c in w.values] == [[0.0, 0.0]] * 2

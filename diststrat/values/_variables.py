@@ -320,6 +320,10 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
 
   def _restore_from_tensors(self, restored_tensors):
     value = restored_tensors[_VARIABLE_VALUE]
+    if not self.shape.is_compatible_with(value.shape):  # As TensorFlow says it.
+      raise ValueError(
+          f"Received incompatible tensor with shape {value.shape} when attempting to "
+          f"restore variable with shape {self.shape} and name {self.name}.")
     return self._restore_value(value)
 
   def _restore_value(self, value):
