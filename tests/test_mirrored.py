@@ -265,13 +265,21 @@ def test_a_value_written_in_every_tower_counts_once_per_tower(aggregation, expec
   assert all(c.dtype == dtype for c in v.values)
 
 
-def test_assign_in_tower_without_aggregation_raises():
+def test_assign_in_tower_without_aggregation_raises(tmp_path):
   s = strategy(2)
   with s.scope():
     v = tf.Variable(1.0, name="plain")
     with pytest.raises(ValueError, match=r"Cannot assign\(\) the mirrored variable 'plain:0' "
                                          r"in a tower context with aggregation NONE"):
       s.call_for_each_tower(lambda: v.assign(2.0))
+  # A checkpoint saved in a tower writes its save_counter there: the message says what
+  # to do with a variable the program did not create.
+  manager = tf.train.CheckpointManager(tf.train.Checkpoint(v=v), str(tmp_path), 1)
+  with s.scope():
+    with pytest.raises(ValueError, match=r"save_counter.*If a library created it \(a "
+                       r"tf.train.Checkpoint's save_counter, when a tower saves\), call that "
+                       r"library in cross-tower context"):
+      s.call_for_each_tower(manager.save)
 
 
 @pytest.mark.parametrize("aggregation", ["sum", "mean"])

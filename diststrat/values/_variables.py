@@ -397,7 +397,9 @@ class MirroredVariable(DistributedVariable):
           "with aggregation NONE: diststrat would not know how to combine the towers' "
           "values. Create it with tf.Variable(..., aggregation=tf.VariableAggregation.SUM) "
           "(or MEAN, ONLY_FIRST_REPLICA), or write it in cross-tower context "
-          "(strategy.update() or merge_call).")
+          "(strategy.update() or merge_call). If a library created it (a "
+          "tf.train.Checkpoint's save_counter, when a tower saves), call that library "
+          "in cross-tower context: outside call_for_each_tower, or in merge_call.")
     aggregation = self._aggregation
     # Each tower's value is its own tensor: the same object in every tower (a Python
     # number, a tensor made outside the towers) would count once in the reduction, so
