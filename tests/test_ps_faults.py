@@ -63,8 +63,14 @@ def _frozen_reads_fn(strategy, sync_dir, ckpt_dir):
     finally:
       strategy.cache_reads = True
 
+  def taped_gather_in_a_tower():  # An embedding lookup: a sparse read, the same hang.
+    with tf.GradientTape() as tape:
+      y = tf.reduce_sum(tf.gather(v, [1, 1]) * 3.0)
+    return tf.convert_to_tensor(tape.gradient(y, v))
+
   paths = {
       "a taped read in a tower": lambda: eagerly_in_a_tower(taped_read_in_a_tower, True),
+      "a taped gather in a tower": lambda: eagerly_in_a_tower(taped_gather_in_a_tower, True),
       "a taped read in a tower, no cache": lambda: eagerly_in_a_tower(
           taped_read_in_a_tower, False),
       "numpy": v.numpy,
@@ -74,6 +80,9 @@ def _frozen_reads_fn(strategy, sync_dir, ckpt_dir):
       "CheckpointManager.save": manager.save,
       "Checkpoint.write": lambda: checkpoint.write(os.path.join(ckpt_dir, "written")),
   }
+  # The gather's gradient, recorded by diststrat for the function call that reads.
+  gradient = eagerly_in_a_tower(taped_gather_in_a_tower, True)
+  assert gradient.numpy().tolist() == [0.0, 6.0], gradient
   outcomes = {}
   for name, path in paths.items():
     path()  # Works, and everything it uses is traced, before the freeze.
@@ -100,7 +109,7 @@ def test_frozen_ps_makes_eager_reads_and_saves_raise_within_step_timeout(tmp_pat
                                           ckpt_dir=str(ckpt_dir))
     finally:
       join()
-  assert len(outcomes) == 8
+  assert len(outcomes) == 9
   for path, outcome in outcomes.items():
     assert (outcome["kind"], outcome["type"], outcome["task"]) == (
         "raised", "ClusterError", PS0), (path, outcome)

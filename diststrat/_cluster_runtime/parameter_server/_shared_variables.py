@@ -233,6 +233,12 @@ def _on_variable_device(name, method):
         if tf.executing_eagerly() and name not in _ACKNOWLEDGED_WRITES:
           # Sent as an eager op, not waited for: the next read must not overtake it.
           self._unacknowledged_write = True
+  elif name == "sparse_read":
+    def wrapper(self, *args, **kwargs):
+      if self._read_in_a_guarded_tower() and not getattr(self, "_unacknowledged_write", False):
+        self._check_healthy(name)
+        return _function_sparse_read(self, *args, **kwargs)
+      return _run_on_ps(self, name, method, args, kwargs)
   else:
     def wrapper(self, *args, **kwargs):
       return _run_on_ps(self, name, method, args, kwargs)
@@ -377,8 +383,8 @@ def _function_read(variable):
   An eager remote read op waits for a frozen PS holding the GIL, so the call's watchdog
   could never raise `ClusterError` at `step_timeout` (a tape around the read made it
   wait at once); a function call waits without it. The value comes back on this
-  worker; tapes of the tower see a read of the variable. (Sparse reads, such as an
-  embedding lookup, are eager ops still.)
+  worker; tapes of the tower see a read of the variable. (Sparse reads: see
+  `_function_sparse_read`.)
 
   After an eager write this process sent without waiting (a slice assignment), the
   read is an eager op, as before: a function call could overtake the write.
@@ -397,6 +403,43 @@ def _function_read(variable):
   result = tf.identity(value)
   _tf_internal.record_variable_read(variable, result)
   return result
+
+
+def _function_sparse_read(variable, indices, name=None):
+  """Eagerly, in a tower of a guarded call: `variable.sparse_read(indices)` (what
+  `tf.gather` and embedding lookups call), by a function call, as `_function_read` reads
+  the whole value; recorded on the tower's tapes as TensorFlow records the gather (its
+  gradient: `IndexedSlices` of the variable)."""
+  del name
+  indices = tf.convert_to_tensor(indices)
+  gather = _sparse_read_function(variable.device, variable._local_device, variable.dtype)
+  with tf.device(variable._local_device), _tf_internal.stop_recording():
+    value = gather(variable.handle, indices)
+  _tf_internal.variable_accessed(variable)
+  dense_shape = tf.constant(variable.shape.as_list(), tf.int32)
+
+  def backward(grad):
+    rows = tf.reshape(tf.size(indices), [1])
+    values = tf.reshape(grad, tf.concat([rows, dense_shape[1:]], 0))
+    return [tf.IndexedSlices(values, tf.reshape(indices, rows), dense_shape), None]
+
+  _tf_internal.record_backward("ResourceGather", [value], [variable.handle, indices],
+                               backward)
+  return value
+
+
+@functools.lru_cache(maxsize=None)
+def _sparse_read_function(device, local_device, dtype):
+  """A tf.function: rows of a variable gathered on `device`, returned on `local_device`."""
+
+  @tf.function(autograph=False, reduce_retracing=True)
+  def gather(handle, indices):
+    with tf.device(device):
+      rows = tf.raw_ops.ResourceGather(resource=handle, indices=indices, dtype=dtype)
+    with tf.device(local_device):
+      return tf.identity(rows)
+
+  return gather
 
 
 @functools.lru_cache(maxsize=None)
