@@ -16,6 +16,7 @@ import typing
 _lock = threading.RLock()
 _pending: list[typing.Callable[[], typing.Any]] = []
 _default_strategy_loader: list[typing.Callable[[], typing.Any]] = []
+_exit_cleanups: list[typing.Callable[[], typing.Any]] = []
 
 
 def register(installer: typing.Callable[[], typing.Any]) -> None:
@@ -47,3 +48,21 @@ def load_default_strategy() -> None:
   with _lock:
     for loader in _default_strategy_loader:
       loader()
+
+
+def register_exit_cleanup(cleanup: typing.Callable[[], typing.Any]) -> None:
+  """Adds `cleanup` (no arguments, idempotent) to what `run_exit_cleanups` runs."""
+  with _lock:
+    _exit_cleanups.append(cleanup)
+
+
+def run_exit_cleanups() -> None:
+  """Runs the registered cleanups: a process about to end with `os._exit` (a
+  `LocalCluster` task), which skips the interpreter's exit hooks, calls it first."""
+  with _lock:
+    cleanups = list(_exit_cleanups)
+  for cleanup in cleanups:
+    try:
+      cleanup()
+    except Exception:  # pylint: disable=broad-except
+      pass  # Best effort: the process is ending.

@@ -366,6 +366,36 @@ def test_keras_iterations_count_every_workers_steps_in_a_ps_cluster(tmp_path):
     assert weights == [-0.5 * 2 * STEPS_EACH] * 3
 
 
+class _RaiseAfterFirstBatch(keras.callbacks.Callback):
+  def on_train_batch_end(self, batch, logs=None):
+    raise RuntimeError("stop in worker 1")
+
+
+def _fit_raising_in_worker_1_fn(strategy, checkpoint):
+  x, y = _worker_data(strategy.task_id)
+  with strategy.scope():
+    model = _model(lambda: keras.optimizers.SGD(0.1))
+  callbacks = [keras.callbacks.ModelCheckpoint(checkpoint)]
+  if strategy.task_id == 1:
+    callbacks.append(_RaiseAfterFirstBatch())
+  model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=callbacks)
+  return "done"
+
+
+@pytest.mark.processes
+def test_a_failed_fit_leaves_no_scratch_directory(tmp_path, monkeypatch):
+  """Worker 1's ModelCheckpoint writes to a scratch directory, which `fit` removes when
+  it ends; when it raised, the directory was left (the task ends with os._exit)."""
+  scratch = tmp_path / "tmp"
+  scratch.mkdir()
+  monkeypatch.setenv("TMPDIR", str(scratch))  # The cluster's processes inherit it.
+  with LocalCluster(num_ps=1, num_workers=2, start_timeout=60, result_timeout=150) as cluster:
+    with pytest.raises(RuntimeError, match="stop in worker 1"):
+      cluster.run_on_workers(_fit_raising_in_worker_1_fn,
+                             checkpoint=str(tmp_path / "model.keras"))
+  assert not [p.name for p in scratch.iterdir() if p.name.startswith("diststrat_worker")]
+
+
 # --- smaller recipes -----------------------------------------------------------------
 
 

@@ -40,7 +40,9 @@ import shutil
 import tempfile
 import typing
 import weakref
+from typing import Any
 
+from diststrat import _integrations
 from diststrat import _tf_internal
 
 # callback -> its scratch directory
@@ -79,10 +81,26 @@ def redirect_fit_callbacks(strategy):
       _redirect(callback, kinds[kind], strategy)
 
 
+# Removes every scratch directory still there: when `fit` raised (Keras then calls no
+# `on_train_end`) in a process that ends with `os._exit` (a LocalCluster task), which
+# skips the finalizers' exit hook.
+_cleanups: "list[Any]" = []  # weakref.finalize objects (alive until they ran)
+
+
+def _remove_scratch_directories():
+  for cleanup in list(_cleanups):
+    cleanup()  # A finalizer that ran already does nothing.
+  _cleanups.clear()
+
+
+_integrations.register_exit_cleanup(_remove_scratch_directories)
+
+
 def _redirect(callback, attribute, strategy):
   scratch = tempfile.mkdtemp(prefix=f"diststrat_worker{strategy.task_id}_")
   _redirected[callback] = scratch
   cleanup = weakref.finalize(callback, shutil.rmtree, scratch, ignore_errors=True)
+  _cleanups[:] = [c for c in _cleanups if c.alive] + [cleanup]
   restore = []
 
   if attribute is not None:

@@ -32,6 +32,7 @@ import traceback
 import types
 from multiprocessing import connection
 
+from diststrat import _integrations
 from diststrat import _tf_internal
 from diststrat.cluster import _serve
 from diststrat.cluster import _task
@@ -108,6 +109,7 @@ def _run_worker(conn, job):
   except BaseException as e:  # pylint: disable=broad-except
     payload = _error_payload(e)
   _remove_autograph_files()  # Before the answer: the cluster may stop the task after it.
+  _integrations.run_exit_cleanups()
   conn.send(payload)
 
 
@@ -128,6 +130,7 @@ def main():
     code = 1
   finally:
     _remove_autograph_files()
+    _integrations.run_exit_cleanups()  # What os._exit would skip (scratch directories).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
