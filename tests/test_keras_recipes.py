@@ -352,6 +352,8 @@ def _count_steps_fn(strategy, sync_dir):
     strategy.run_step(step)
   open(os.path.join(sync_dir, f"done_{strategy.task_id}"), "w").close()
   _wait_for(os.path.join(sync_dir, f"done_{1 - strategy.task_id}"))
+  returned = optimizer.iterations.assign_add(0)  # The new value, as Keras's returns.
+  assert int(tf.convert_to_tensor(returned)) == int(optimizer.iterations.numpy())
   return int(optimizer.iterations.numpy()), w.numpy().tolist()
 
 

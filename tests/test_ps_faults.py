@@ -18,6 +18,7 @@ benchmarks/ps_faults.py shares.
   checkpoint.
 """
 
+import dataclasses
 import os
 import random
 import time
@@ -126,12 +127,27 @@ def _frozen_keras_fn(strategy, sync_dir):
   with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile(optimizer="adam", loss="mse")
+    predicts_only = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
   x, y = np.ones((16, 4), np.float32), np.ones((16, 1), np.float32)
   paths = {
       "fit": lambda: model.fit(x, y, batch_size=8, epochs=2, verbose=0),
       "evaluate": lambda: model.evaluate(x, y, batch_size=8, verbose=0),
       "predict": lambda: model.predict(x, batch_size=8, verbose=0),
+      # No fit or evaluate first: diststrat meets the model when predict asks for data.
+      "predict only": lambda: predicts_only.predict(x, batch_size=8, verbose=0),
   }
+  # A method of any other object run through tf.distribute's API is run as it is (a
+  # dataclass instance, unhashable, made a TypeError when diststrat looked it up).
+  @dataclasses.dataclass
+  class Holder:
+    value: float
+
+    def double(self):
+      return tf.constant([self.value * 2.0])
+
+  with strategy.scope():
+    doubled = tf.distribute.get_strategy().run(Holder(1.5).double)
+  assert np.asarray(doubled).ravel().tolist() == [3.0], doubled
   outcomes = {}
   for name, path in paths.items():
     path()  # Traced, and the step functions bounded, before the freeze.
@@ -154,7 +170,7 @@ def test_keras_fit_evaluate_predict_on_a_frozen_ps_raise_within_step_timeout(tmp
       [outcomes] = cluster.run_on_workers(_frozen_keras_fn, sync_dir=str(sync_dir))
     finally:
       join()
-  assert sorted(outcomes) == ["evaluate", "fit", "predict"]
+  assert sorted(outcomes) == ["evaluate", "fit", "predict", "predict only"]
   for path, outcome in outcomes.items():
     assert (outcome["kind"], outcome["type"], outcome["task"]) == (
         "raised", "ClusterError", PS0), (path, outcome)

@@ -257,6 +257,30 @@ def test_keras_seed_generators():
   assert _tf_internal.keras_seed_generators(tf.Module()) == []
 
 
+def test_keras_optimizer_step_count():
+  variable = keras.Variable(np.ones([2], np.float32))
+  plain = keras.optimizers.SGD(0.1)
+  plain.build([variable])
+  count = _tf_internal.keras_optimizer_step_count(plain)
+  assert count is plain.iterations, _broke(
+      "keras_optimizer_step_count", f"Keras {keras.__version__} optimizers keep no "
+      "_iterations variable")
+  accumulating = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+  accumulating.build([variable])
+  count = _tf_internal.keras_optimizer_step_count(accumulating)
+  assert _tf_internal.keras_backing_variable(count) is not None  # Not the tensor.
+  accumulating.apply_gradients([(tf.ones([2]), variable)])
+  assert int(count.numpy()) == 1 and int(accumulating.iterations.numpy()) == 0
+
+
+def test_keras_in_stateless_scope():
+  from keras.src.backend.common import stateless_scope  # pylint: disable=g-import-not-at-top
+  assert not _tf_internal.keras_in_stateless_scope()
+  with stateless_scope.StatelessScope():
+    assert _tf_internal.keras_in_stateless_scope(), _broke(
+        "keras_in_stateless_scope", f"Keras {keras.__version__} moved its stateless scope")
+
+
 def test_keras_optimizer_strategy():
   strategy = ds.MirroredStrategy(CPUS[:2])
   with strategy.scope():

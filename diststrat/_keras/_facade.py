@@ -36,6 +36,7 @@ from typing import Any
 
 from diststrat._tf import tf
 from diststrat import _context
+from diststrat import _tf_internal
 from diststrat._arguments import as_tf_variable
 from diststrat._keras import _file_callbacks
 from diststrat._keras import _model_checks
@@ -335,6 +336,9 @@ class StrategyAdapter:
     # Keras's fit asks for its dataset before it builds its callback list: the last
     # moment a worker's file-writing callbacks can be pointed at its scratch directory.
     _file_callbacks.redirect_fit_callbacks(self._ds)
+    # And predict asks for it before it makes its step: the one place diststrat meets
+    # a model that only predicts, before its steps run.
+    _training.bound_steps(self, _tf_internal.keras_model_on_stack(max_frames=8))
     return dataset.prefetch(tf.data.AUTOTUNE)
 
   def distribute_datasets_from_function(self, dataset_fn, options=None):

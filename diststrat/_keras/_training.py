@@ -279,14 +279,16 @@ def _atomic_step_counts(strategy, optimizer):
       getattr(strategy, "run_step", None)):
     return
   for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-    count = getattr(opt, "iterations", None)
+    count = _tf_internal.keras_optimizer_step_count(opt)
     backing = _tf_internal.keras_backing_variable(count)
     if backing is None or "assign_add" in vars(count):
       continue
 
-    def assign_add(value, backing=backing):
-      backing.assign_add(tf.cast(value, backing.dtype), read_value=False)
-      return value
+    def assign_add(value, count=count, backing=backing):
+      if _tf_internal.keras_in_stateless_scope():  # Keras records the update there.
+        return type(count).assign_add(count, value)
+      # The new value, as Keras's own returns.
+      return backing.assign_add(tf.cast(value, backing.dtype), read_value=True)
 
     object.__setattr__(count, "assign_add", assign_add)
 
@@ -503,11 +505,17 @@ def bound_steps(adapter, model):
   made for each batch, directly; a tf.function called directly blocks forever on a
   frozen parameter server. The model's `make_*_function` attributes are replaced on the
   instance: each calls Keras's own, then wraps the function it made; a function made
-  already is wrapped at once. Called where diststrat meets the model (its `fit`,
-  `evaluate` or `predict` entering the scope, and each step it hands the strategy).
+  already is wrapped at once. Called where diststrat meets the model: its `fit` and
+  `evaluate` entering the scope, `predict` asking for its dataset, and each step of
+  `fit` and `evaluate` handed to the strategy. (A program whose only Keras call is
+  `predict_on_batch` is not met before its steps: they are not bounded.)
+
+  One bound covers one call of a compiled step: `steps_per_execution` steps, and, for
+  the first call, the model's trace too; give `step_timeout` room for them.
   """
   strategy = adapter.diststrat_strategy
-  if (model is None or getattr(strategy, "cluster_spec", None) is None
+  if (not hasattr(model, "get_metrics_result")  # A Keras model (Trainer), nothing else.
+      or getattr(strategy, "cluster_spec", None) is None
       or not callable(getattr(strategy, "run_step", None))):
     return
   if _bounded_models.get(model) is strategy:
@@ -519,8 +527,8 @@ def bound_steps(adapter, model):
     if own is None:
       continue
 
-    def make(force=False, own=own):
-      made = own(model_ref(), force=force)
+    def make(*args, own=own, **kwargs):  # A subclass may take other arguments.
+      made = own(model_ref(), *args, **kwargs)
       _wrap_step_functions(model_ref(), strategy)
       return made
 

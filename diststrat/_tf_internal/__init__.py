@@ -60,6 +60,8 @@ from diststrat._tf_internal._keras import keras_backing_variable as keras_backin
 from diststrat._tf_internal._keras import keras_fit_callbacks as keras_fit_callbacks
 from diststrat._tf_internal._keras import keras_optimizer_strategy as keras_optimizer_strategy
 from diststrat._tf_internal._keras import keras_seed_generators as keras_seed_generators
+from diststrat._tf_internal._keras import keras_optimizer_step_count as keras_optimizer_step_count
+from diststrat._tf_internal._keras import keras_in_stateless_scope as keras_in_stateless_scope
 from diststrat._tf_internal._keras import keras_model_strategy as keras_model_strategy
 from diststrat._tf_internal._keras import keras_model_on_stack as keras_model_on_stack
 from diststrat._tf_internal._keras import keras_optimizer_being_created as keras_optimizer_being_created
@@ -120,6 +122,7 @@ __all__ = [
     "record_variable_read",
     # Keras
     "keras_backing_variable", "keras_optimizer_strategy", "keras_seed_generators",
+    "keras_optimizer_step_count", "keras_in_stateless_scope",
     "keras_model_strategy",
     "keras_model_on_stack",
     "keras_optimizer_being_created",

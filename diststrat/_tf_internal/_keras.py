@@ -41,6 +41,23 @@ def keras_seed_generators(layer):
   return list(getattr(layer, "_seed_generators", None) or ())
 
 
+def keras_optimizer_step_count(optimizer):
+  """The Keras 3 variable an optimizer counts its applied steps in, or None: its
+  `iterations`, which with `gradient_accumulation_steps` is a tensor computed from it."""
+  count = getattr(optimizer, "_iterations", None)
+  return count if count is not None else getattr(optimizer, "iterations", None)
+
+
+def keras_in_stateless_scope():
+  """Whether Keras 3 is in a `StatelessScope` (its variables' writes are recorded, not
+  made)."""
+  try:
+    from keras.src.backend.common import stateless_scope  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover - another Keras layout
+    return False
+  return bool(stateless_scope.in_stateless_scope())
+
+
 def keras_optimizer_strategy(optimizer):
   """The `tf.distribute` strategy a Keras 3 optimizer captured when created, or None.
 

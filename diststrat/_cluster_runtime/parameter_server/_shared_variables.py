@@ -235,7 +235,8 @@ def _on_variable_device(name, method):
           self._unacknowledged_write = True
   elif name == "sparse_read":
     def wrapper(self, *args, **kwargs):
-      if self._read_in_a_guarded_tower() and not getattr(self, "_unacknowledged_write", False):
+      if (self._read_in_a_guarded_tower() and self.shape.is_fully_defined()
+          and not getattr(self, "_unacknowledged_write", False)):
         self._check_healthy(name)
         return _function_sparse_read(self, *args, **kwargs)
       return _run_on_ps(self, name, method, args, kwargs)
