@@ -265,6 +265,13 @@ def apply_from_tower(adapter, optimizer, grads, trainable_variables=None):
   return None
 
 
+def _on_a_ps_cluster(strategy):
+  """Whether `strategy` is a `ParameterServerStrategy` of a cluster: its steps are bounded
+  by `run_step`, and its variables are shared by workers that train at once."""
+  return (getattr(strategy, "cluster_spec", None) is not None
+          and callable(getattr(strategy, "run_step", None)))
+
+
 def _atomic_step_counts(strategy, optimizer):
   """Under a `ParameterServerStrategy` of a cluster, makes the step count of `optimizer`
   (and of the optimizer it wraps, for a `LossScaleOptimizer`) go up with one atomic
@@ -275,8 +282,7 @@ def _atomic_step_counts(strategy, optimizer):
   and learning-rate schedules read the count). The variable's own `assign_add` is
   replaced on the instance; it adds on the PS, under the variable's lock.
   """
-  if getattr(strategy, "cluster_spec", None) is None or not callable(
-      getattr(strategy, "run_step", None)):
+  if not _on_a_ps_cluster(strategy):
     return
   for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
     count = _tf_internal.keras_optimizer_step_count(opt)
@@ -514,10 +520,8 @@ def bound_steps(adapter, model):
   the first call, the model's trace too; give `step_timeout` room for them.
   """
   strategy = adapter.diststrat_strategy
-  if (not hasattr(model, "get_metrics_result")  # A Keras model (Trainer), nothing else.
-      or getattr(strategy, "cluster_spec", None) is None
-      or not callable(getattr(strategy, "run_step", None))):
-    return
+  if not hasattr(model, "get_metrics_result") or not _on_a_ps_cluster(strategy):
+    return  # (Only a Keras model (Trainer) has get_metrics_result.)
   if _bounded_models.get(model) is strategy:
     _wrap_step_functions(model, strategy)  # Made since, outside `make_*` (rare).
     return

@@ -24,7 +24,8 @@ CPUS_ENV = "DISTSTRAT_CPUS_PER_WORKER"
 
 # sys.argv is ["-c", script, args...]; the program sees [script, args...] (runpy makes
 # the script's path absolute), an absolute __file__ and, first on sys.path, the directory
-# of the script's real path (symlinks resolved), as under `python script.py`. An exception the program does not catch is
+# of the script's real path (symlinks resolved), as under `python script.py`. An
+# exception the program does not catch is
 # reported as `python script.py` would: its traceback starts at the script's frame (not
 # this code's, nor runpy's; a SyntaxError has none, so only its place in the script is
 # shown; an error with no frame of the script, such as one in a zipapp, keeps them all),

@@ -164,13 +164,13 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     return results
 
   def _reduce_indexed_slices(self, aggregation, per_device_value, destinations):
-    local, all_devices, _, _ = self._bound()
+    local, _, _, num_workers = self._bound()
     mine = _base.concat_indexed_slices(Aggregation.SUM, per_device_value, local[0])
     with tf.device(local[0]):
       values = self._gather_rows(mine.values)
       indices = self._gather_rows(mine.indices)
       if aggregation is Aggregation.MEAN:  # By the number of values added, as for dense.
-        values = _base.divide(values, len(per_device_value) * len(all_devices) // len(local))
+        values = _base.divide(values, len(per_device_value) * num_workers)
       gathered = tf.IndexedSlices(values, indices, mine.dense_shape)
     return _base.mirror(gathered, destinations, source_device=local[0])
 

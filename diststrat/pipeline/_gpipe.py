@@ -511,9 +511,10 @@ def _place_seed_states(layer, column, strategy):
 
   Keras layers that draw random numbers (Dropout, GaussianNoise, ...) make their
   `SeedGenerator`, and its state variable, in `__init__` (and count themselves built):
-  on whatever device was current then, before GPipe could place it. Each such state is made again here, by a new
-  `SeedGenerator` (so that it is created as Keras makes seed states), given the old
-  state's value (its seed and its count), and put in the old generator's place.
+  on whatever device was current then, before GPipe could place it. Each such state is
+  made again here, by a new `SeedGenerator` (so that it is created as Keras makes seed
+  states), given the old state's value (its seed and its count), and put in the old
+  generator's place.
   """
   if not _cost.is_keras_layer(layer):
     return
@@ -531,11 +532,15 @@ def _placed_on(variable, column, strategy):
   """Whether `variable` is where GPipe puts a stage's variables: on `column`, mirrored
   over it inside a MirroredStrategy."""
   mirrored = isinstance(strategy, _mirrored.MirroredStrategy)
+  return (_where(variable) == tuple(column)
+          and mirrored == isinstance(variable, _wrapped.DistributedValues))
+
+
+def _where(variable):
+  """The devices `variable` lives on (its copies', for a distributed one)."""
   if isinstance(variable, _wrapped.DistributedValues):
-    where = tuple(variable.devices)
-  else:
-    where = (_devices.canonicalize(variable.device),) if variable.device else ()
-  return where == tuple(column) and mirrored == isinstance(variable, _wrapped.DistributedValues)
+    return tuple(variable.devices)
+  return (_devices.canonicalize(variable.device),) if variable.device else ()
 
 
 def _check_placement(layer, index, stage, column, strategy):
@@ -543,10 +548,7 @@ def _check_placement(layer, index, stage, column, strategy):
     variable = as_tf_variable(v)
     if _placed_on(variable, column, strategy):
       continue
-    if isinstance(variable, _wrapped.DistributedValues):
-      where = tuple(variable.devices)
-    else:
-      where = (_devices.canonicalize(variable.device),) if variable.device else ()
+    where = _where(variable)
     raise ValueError(
         f"GPipe places stage {stage}'s variables on {list(column)} when it builds its "
         f"layers, but {_cost.describe(layer, index)} was built before, with variable "
