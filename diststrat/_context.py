@@ -388,7 +388,8 @@ class ThreadState:
   Made in one thread, entered in another (`with state.enter():`): the other thread then
   runs in the same diststrat context (strategy, tower or cross-tower, update device) and
   with the same TensorFlow state: graph (so it can add to a `tf.function` being traced),
-  name scope, variable creator stack, control dependencies and device scope. Tower
+  name scope, variable creator stack, control dependencies, device scope, and the
+  context of a SavedModel save tracing its functions. Tower
   threads and the cluster watchdog's helper thread start from one.
   """
 
@@ -401,6 +402,7 @@ class ThreadState:
     self.device = _tf_internal.current_device()
     self.modes = list(_stack())
     self.update_devices = list(getattr(_state, "update_devices", None) or [])
+    self.save_options = _tf_internal.saved_model_trace_options()
 
   @contextlib.contextmanager
   def enter(self, device=None):
@@ -417,6 +419,8 @@ class ThreadState:
         stack.enter_context(tf.name_scope(self.name_scope + "/"))
       if device or self.device:
         stack.enter_context(tf.device(device or self.device))
+      if self.save_options is not None and not _tf_internal.in_saved_model_trace():
+        stack.enter_context(_tf_internal.saved_model_trace(self.save_options))
       saved_modes, saved_updates = list(_stack()), getattr(_state, "update_devices", None)
       _state.stack = list(self.modes)
       _state.update_devices = list(self.update_devices)

@@ -109,6 +109,14 @@ class _StrategyScope:
     return False
 
 
+def _updated_devices(where):
+  """The devices an update of `where` (a variable, wrapped value or devices) runs on: all
+  of them; only the first while `tf.saved_model.save` traces, since it saves one
+  variable for all the copies (diststrat/values/_variables.py)."""
+  devices = _wrapped.devices_of(where)
+  return devices[:1] if _tf_internal.in_saved_model_trace() else devices
+
+
 def _static_rank(component):
   shape = getattr(component, "shape", None)
   if shape is None:
@@ -528,11 +536,11 @@ class DistributionStrategy:
 
   def _update(self, var, fn, args, kwargs):
     """Default: `fn` once on each device holding `var` (each copy, or its one device)."""
-    return self._run_on_devices(_wrapped.devices_of(var), fn, args, kwargs, first_arg=var)
+    return self._run_on_devices(_updated_devices(var), fn, args, kwargs, first_arg=var)
 
   def _update_non_slot(self, colocate_with, fn, args, kwargs):
     """Default: `fn` once on each device `colocate_with` names."""
-    return self._run_on_devices(_wrapped.devices_of(colocate_with), fn, args, kwargs)
+    return self._run_on_devices(_updated_devices(colocate_with), fn, args, kwargs)
 
   def _non_slot_devices(self, var_list):
     raise NotImplementedError(f"{type(self).__name__} must implement _non_slot_devices()")

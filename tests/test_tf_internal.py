@@ -1160,3 +1160,38 @@ def test_keras_loss_tracker():
   tracker = _tf_internal.keras_loss_tracker(model)
   assert isinstance(tracker, keras.metrics.Mean) and tracker.name == "loss", _broke(
       "keras_loss_tracker", f"Keras {keras.__version__}: {tracker!r}")
+
+
+def test_strided_slice_assign():
+  variable = tf.Variable([1.0, 2.0, 3.0])
+  _tf_internal.strided_slice_assign(
+      variable, begin=[1], end=[3], strides=[1], value=[5.0, 6.0], name=None,
+      begin_mask=0, end_mask=0, ellipsis_mask=0, new_axis_mask=0, shrink_axis_mask=0)
+  assert variable.numpy().tolist() == [1.0, 5.0, 6.0], _broke(
+      "strided_slice_assign", repr(variable.numpy()))
+
+
+def test_in_saved_model_trace_and_saved_model_trace_options(tmp_path):
+  seen = []
+
+  def body():
+    seen.append((_tf_internal.in_saved_model_trace(),
+                 _tf_internal.saved_model_trace_options()))
+    return tf.constant(1.0)
+
+  module = tf.Module()
+  module.f = tf.function(body, input_signature=[])
+  module.f()
+  options = tf.saved_model.SaveOptions()
+  tf.saved_model.save(module, str(tmp_path / "saved"), options=options)
+  assert seen[0] == (False, None) and (True, options) in seen[1:], _broke(
+      "in_saved_model_trace/saved_model_trace_options",
+      f"a save did not trace its function again in its save context: {seen}")
+
+
+def test_saved_model_trace():
+  options = tf.saved_model.SaveOptions()
+  with _tf_internal.saved_model_trace(options):
+    inside = (_tf_internal.in_saved_model_trace(), _tf_internal.saved_model_trace_options())
+  assert inside == (True, options) and not _tf_internal.in_saved_model_trace(), _broke(
+      "saved_model_trace", repr(inside))

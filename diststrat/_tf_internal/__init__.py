@@ -13,7 +13,7 @@ the job, in the module of its kind:
 | `_collectives` | collective ops; setting up collectives across processes; a peer's health; aborting them |
 | `_functions` | calling a traced function with a flat list of tensors |
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running; its wait for pending eager work |
-| `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it |
+| `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it; a sliced assignment; whether a SavedModel is tracing |
 | `_tapes` | recording on gradient tapes |
 | `_keras` | Keras 3 variables, optimizers, per-output loss trackers, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable |
 | `_distribute_stack` | TensorFlow's per-thread distribution-mode stack (`tf.distribute.get_strategy()`) |
@@ -91,8 +91,12 @@ from diststrat._tf_internal._variables import dense_var_to_tensor as dense_var_t
 from diststrat._tf_internal._variables import distributed_container as distributed_container
 from diststrat._tf_internal._variables import export_to_saved_model_graph as export_to_saved_model_graph
 from diststrat._tf_internal._variables import in_graph_mode as in_graph_mode
+from diststrat._tf_internal._variables import in_saved_model_trace as in_saved_model_trace
+from diststrat._tf_internal._variables import saved_model_trace as saved_model_trace
+from diststrat._tf_internal._variables import saved_model_trace_options as saved_model_trace_options
 from diststrat._tf_internal._variables import set_distributed_container as set_distributed_container
 from diststrat._tf_internal._variables import shared_name as shared_name
+from diststrat._tf_internal._variables import strided_slice_assign as strided_slice_assign
 from diststrat._tf_internal._variables import unique_id as unique_id
 from diststrat._tf_internal._variables import wrap_resource_methods as wrap_resource_methods
 from diststrat._tf_internal._variables import write_object_proto as write_object_proto
@@ -116,7 +120,8 @@ __all__ = [
     "base_resource_method", "wrap_resource_methods", "shared_name", "unique_id",
     "in_graph_mode", "dense_var_to_tensor", "copy_trackable_to_cpu",
     "export_to_saved_model_graph", "write_object_proto", "set_distributed_container",
-    "distributed_container", "deferred_checkpoint_value",
+    "distributed_container", "deferred_checkpoint_value", "strided_slice_assign",
+    "in_saved_model_trace", "saved_model_trace_options", "saved_model_trace",
     # tapes
     "record_backward", "stop_recording", "should_record", "variable_accessed",
     "record_variable_read",

@@ -14,12 +14,20 @@
 - A Keras optimizer finds the variable that owns the copy it updates, to find that
   variable's slots, through the copy's `_distributed_container`
   (`set_distributed_container`, `distributed_container`).
+- A sliced assignment (`v[1:3].assign(x)`) calls the variable's `_strided_slice_assign`;
+  a distributed variable does it on its components (`strided_slice_assign`).
+- `tf.saved_model.save` traces the functions it saves again, in its save context (the
+  function cache keys on it); a distributed variable is saved as one variable, so what
+  such a trace reads and writes is its primary copy (`in_saved_model_trace`); tower
+  threads enter the save context of the thread that started them
+  (`saved_model_trace_options`, `saved_model_trace`).
 """
 
 import functools
 
 from tensorflow.python.checkpoint import tensor_callable as _tensor_callable  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.saved_model import save_context as _save_context  # pylint: disable=g-direct-tensorflow-import
 
 from diststrat._tf_internal import _base
 
@@ -128,6 +136,28 @@ def deferred_checkpoint_value(read, dtype, device):
 def write_object_proto(variable, proto, options):
   """Fills `variable`'s SavedModel object proto."""
   variable._write_object_proto(proto, options)
+
+
+def strided_slice_assign(variable, **kwargs):
+  """`variable[...].assign(value)` as TensorFlow's slice helper calls it, with its
+  begin/end/strides/masks keyword arguments."""
+  return variable._strided_slice_assign(**kwargs)
+
+
+def in_saved_model_trace():
+  """Whether `tf.saved_model.save` is tracing the functions it saves, on this thread."""
+  return _save_context.in_save_context()
+
+
+def saved_model_trace_options():
+  """The `tf.saved_model.SaveOptions` of the save tracing on this thread, or None."""
+  return _save_context.get_save_options() if _save_context.in_save_context() else None
+
+
+def saved_model_trace(options):
+  """Context manager: this thread traces for a save with `options` too (a tower thread
+  of a function the save traces); the save context is per thread."""
+  return _save_context.save_context(options)
 
 
 def set_distributed_container(component, container):

@@ -13,7 +13,8 @@ from diststrat.values import _wrapped
 def state_owner(var):
   """The variable that owns optimizer state for `var`: a distributed variable for its copies."""
   var = as_tf_variable(var)
-  return _wrapped.container_of(var) or var
+  container = _wrapped.container_of(var)  # Not `or`: a variable's truth is its value's.
+  return var if container is None else container
 
 
 def _local(value):

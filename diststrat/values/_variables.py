@@ -15,8 +15,14 @@ the model's call (batch normalization's moving statistics, the state of a
 `SeedGenerator`) has aggregation NONE, so a `MirroredVariable` it made is written in a
 tower by merging the towers' values; a seed's state is read in each tower with the
 tower's id hashed in. See docs/keras.md.
+
+`tf.saved_model.save` saves a distributed variable as one plain variable (the primary
+copy's, holding the value a checkpoint saves) and traces the saved functions again in
+its save context: in that trace every read and write is the primary copy's, so that
+the loaded functions, whose copies are all that one variable, compute what they did.
 """
 
+import copy
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 import weakref
@@ -37,6 +43,25 @@ _VARIABLE_VALUE = "VARIABLE_VALUE"  # The key a plain tf.Variable saves its valu
 def _in_real_tower():
   tower = _context.get_tower_context()
   return tower is not None and tower is not _context.default_tower_context()
+
+
+# Sparse and sliced writes, by what a tower-local variable's cross-tower write does with
+# the value: spread it over the copies as `assign*` do (so that the copies' aggregate
+# takes it), give every copy the whole value (a product scales the sum and the mean
+# alike), or refuse (the min or max of an aggregate is not the aggregate of mins).
+_SPREAD_WRITES = frozenset([
+    "scatter_update", "scatter_add", "scatter_sub", "batch_scatter_update",
+    "scatter_nd_update", "scatter_nd_add", "scatter_nd_sub", "sliced assign"])
+_SCALING_WRITES = frozenset(["scatter_mul", "scatter_div"])
+_ORDER_WRITES = frozenset(["scatter_max", "scatter_min", "scatter_nd_max", "scatter_nd_min"])
+
+
+def _scaled(data, weight, dtype):
+  """`data` (a tensor-like or `tf.IndexedSlices`) times `weight`, in `dtype`."""
+  if isinstance(data, tf.IndexedSlices):
+    values = tf.convert_to_tensor(data.values, dtype=dtype) * tf.cast(weight, dtype)
+    return tf.IndexedSlices(values, data.indices, data.dense_shape)
+  return tf.convert_to_tensor(data, dtype=dtype) * tf.cast(weight, dtype)
 
 
 # --- which strategy made a plain variable ---------------------------------------------
@@ -137,7 +162,13 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   # --- which component a read or write uses ---
 
   def _component(self):
-    """The component for the current context: tower, then update device, then primary."""
+    """The component for the current context: tower, then update device, then primary.
+
+    While a SavedModel traces, always the primary: it saves one variable for all the
+    copies, and one handle keeps the traced reads and writes in their order.
+    """
+    if _tf_internal.in_saved_model_trace():
+      return self.primary
     device = None
     if _in_real_tower():
       device = _context.get_tower_context().device
@@ -274,6 +305,46 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     items = ", ".join(f"{d!r}: {c!r}" for d, c in self._index.items())
     return f"{type(self).__name__}({{{items}}})"
 
+  # --- Python numbers and copies, as a tf.Variable gives them ---
+
+  def __float__(self) -> float:
+    return float(self.read_value())
+
+  def __int__(self) -> int:
+    return int(self.read_value())
+
+  def __complex__(self) -> complex:
+    return complex(self.read_value())
+
+  def __bool__(self) -> bool:
+    return bool(self.read_value())
+
+  def __copy__(self):
+    return self  # As a tf.Variable: a shallow copy is the variable itself.
+
+  def __deepcopy__(self, memo):
+    """A new variable of this kind, with new copies on the same devices, each holding
+    its copy's current value (eager only, as for a tf.Variable)."""
+    if not tf.executing_eagerly():
+      raise NotImplementedError(
+          "copy.deepcopy() of a distributed variable is only available when eager "
+          "execution is enabled, as for a tf.Variable.")
+    index = {}
+    for device, component in self._index.items():
+      with tf.device(device):
+        index[device] = copy.deepcopy(component, memo)
+    new = type(self).__new__(type(self))
+    DistributedVariable.__init__(new, index, self._aggregation, self._strategy)
+    new._rules = self._rules
+    memo[id(self)] = new
+    return new
+
+  def __reduce__(self):
+    raise TypeError(
+        f"The distributed variable {self.name!r} cannot be pickled: its copies live on "
+        "its strategy's devices. Pickle its value (v.numpy()), or save it with "
+        "tf.train.Checkpoint.")
+
   # --- writes: subclasses decide ---
 
   @tf.autograph.experimental.do_not_convert
@@ -294,10 +365,96 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   def _write(self, method, value, read_value):
     raise NotImplementedError
 
+  # Sparse and sliced writes go where `assign*` go (by context); subclasses decide with
+  # `_write_sparse(method, data, write)`, where `write(component, data)` does it to one
+  # copy. Each returns the variable, as a tf.Variable's does.
+
+  def scatter_sub(self, sparse_delta: Any, use_locking: bool = False,
+                  name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_sub", sparse_delta, lambda c, d: c.scatter_sub(
+        d, use_locking=use_locking, name=name))
+
+  def scatter_add(self, sparse_delta: Any, use_locking: bool = False,
+                  name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_add", sparse_delta, lambda c, d: c.scatter_add(
+        d, use_locking=use_locking, name=name))
+
+  def scatter_max(self, sparse_delta: Any, use_locking: bool = False,
+                  name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_max", sparse_delta, lambda c, d: c.scatter_max(
+        d, use_locking=use_locking, name=name))
+
+  def scatter_min(self, sparse_delta: Any, use_locking: bool = False,
+                  name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_min", sparse_delta, lambda c, d: c.scatter_min(
+        d, use_locking=use_locking, name=name))
+
+  def scatter_mul(self, sparse_delta: Any, use_locking: bool = False,
+                  name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_mul", sparse_delta, lambda c, d: c.scatter_mul(
+        d, use_locking=use_locking, name=name))
+
+  def scatter_div(self, sparse_delta: Any, use_locking: bool = False,
+                  name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_div", sparse_delta, lambda c, d: c.scatter_div(
+        d, use_locking=use_locking, name=name))
+
+  def scatter_update(self, sparse_delta: Any, use_locking: bool = False,
+                     name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_update", sparse_delta, lambda c, d: c.scatter_update(
+        d, use_locking=use_locking, name=name))
+
+  def batch_scatter_update(self, sparse_delta: Any, use_locking: bool = False,
+                           name: Optional[str] = None) -> Any:
+    return self._write_sparse(
+        "batch_scatter_update", sparse_delta,
+        lambda c, d: c.batch_scatter_update(d, use_locking=use_locking, name=name))
+
+  def scatter_nd_sub(self, indices: Any, updates: Any, name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_nd_sub", updates, lambda c, u: c.scatter_nd_sub(
+        indices, u, name=name))
+
+  def scatter_nd_add(self, indices: Any, updates: Any, name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_nd_add", updates, lambda c, u: c.scatter_nd_add(
+        indices, u, name=name))
+
+  def scatter_nd_update(self, indices: Any, updates: Any, name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_nd_update", updates, lambda c, u: c.scatter_nd_update(
+        indices, u, name=name))
+
+  def scatter_nd_max(self, indices: Any, updates: Any, name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_nd_max", updates, lambda c, u: c.scatter_nd_max(
+        indices, u, name=name))
+
+  def scatter_nd_min(self, indices: Any, updates: Any, name: Optional[str] = None) -> Any:
+    return self._write_sparse("scatter_nd_min", updates, lambda c, u: c.scatter_nd_min(
+        indices, u, name=name))
+
+  def _strided_slice_assign(self, begin, end, strides, value, name, begin_mask, end_mask,
+                            ellipsis_mask, new_axis_mask, shrink_axis_mask):
+    # `v[1:3].assign(x)`: TensorFlow's slice helper calls this with the slice's spec.
+    spec = dict(begin=begin, end=end, strides=strides, name=name, begin_mask=begin_mask,
+                end_mask=end_mask, ellipsis_mask=ellipsis_mask,
+                new_axis_mask=new_axis_mask, shrink_axis_mask=shrink_axis_mask)
+    return self._write_sparse("sliced assign", value, lambda c, v: (
+        _tf_internal.strided_slice_assign(c, value=v, **spec)))
+
+  def _write_sparse(self, method, data, write):
+    raise NotImplementedError
+
+  def _written_copies(self):
+    """(device, component) pairs a cross-tower write goes to: every copy; only the
+    primary while a SavedModel traces (it saves one variable for all the copies)."""
+    if _tf_internal.in_saved_model_trace():
+      return [next(iter(self._index.items()))]
+    return list(self._index.items())
+
   def _write_all(self, method, value, read_value, scale=None):
     """Writes `value` (plain or wrapped) into every component; returns like tf.Variable."""
     ops = []
-    for device, component in self._index.items():
+    if _tf_internal.in_saved_model_trace():
+      scale = None  # Its one variable takes the whole value.
+    for device, component in self._written_copies():
       with tf.device(device):
         v = _wrapped.select_device(device, value)
         weight = scale[device] if isinstance(scale, dict) else scale
@@ -424,6 +581,24 @@ class MirroredVariable(DistributedVariable):
       return self
     return None if tf.executing_eagerly() else tf.no_op()
 
+  def _write_sparse(self, method, data, write):
+    if not _in_real_tower():
+      device = _context.get_update_device()
+      if device is not None and device in self._index:
+        write(self._index[device], _wrapped.select_device(device, data))
+        return self
+      for device, component in self._written_copies():
+        with tf.device(device):
+          write(component, _wrapped.select_device(device, data))
+      return self
+    raise ValueError(
+        f"Cannot {method}() the mirrored variable {self.name!r} in a tower context: the "
+        "towers would write different rows, and diststrat keeps every copy equal. Write "
+        "it in cross-tower context (outside call_for_each_tower, in merge_call, or with "
+        "strategy.update(v, fn), which runs fn on each copy), or write a dense value with "
+        "assign, assign_add or assign_sub, which combine the towers' values by the "
+        "variable's aggregation.")
+
   def _write_one(self, device, method, value, read_value):
     op = getattr(self._index[device], method)(_wrapped.select_device(device, value),
                                               read_value=False)
@@ -497,8 +672,14 @@ class TowerLocalVariable(DistributedVariable):
     processes = 1 if self._strategy is None else self._strategy._num_processes()
     return len(self._index) * processes
 
+  def _reads_one_copy(self):
+    """In a tower or an update, the copy there; in a SavedModel's trace, the primary,
+    which it saves holding the aggregate. Elsewhere, reads aggregate the copies."""
+    return (_in_real_tower() or _context.get_update_device() is not None
+            or _tf_internal.in_saved_model_trace())
+
   def value(self) -> tf.Tensor:
-    if _in_real_tower() or _context.get_update_device() is not None:
+    if self._reads_one_copy():
       return self._component().value()
     return self._aggregate()
 
@@ -506,7 +687,7 @@ class TowerLocalVariable(DistributedVariable):
     return self.value()
 
   def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-    if _in_real_tower() or _context.get_update_device() is not None:
+    if self._reads_one_copy():
       return super()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
     value = self._aggregate()
     return value if dtype is None else tf.cast(value, dtype)
@@ -517,6 +698,27 @@ class TowerLocalVariable(DistributedVariable):
       result = getattr(component, method)(value, read_value=False)
       return self if read_value else result
     return self._write_all(method, value, read_value, scale=self._split_scale(method))
+
+  def _write_sparse(self, method, data, write):
+    if _in_real_tower() or _context.get_update_device() is not None:
+      write(self._component(), data)
+      return self
+    if method in _ORDER_WRITES and not _tf_internal.in_saved_model_trace():
+      kind = "sum" if self._aggregation == tf.VariableAggregation.SUM else "mean"
+      raise ValueError(
+          f"Cannot {method}() the tower-local variable {self.name!r} in cross-tower "
+          f"context: its value is the {kind} of its copies, and the {kind} of the copies' "
+          f"{method.rsplit('_', 1)[-1]} is not the {method.rsplit('_', 1)[-1]} of their "
+          f"{kind}. Read it (v.read_value()), compute the new value, and assign() it; or "
+          "write each tower's copy in its tower.")
+    scale = None
+    if method in _SPREAD_WRITES and not _tf_internal.in_saved_model_trace():
+      scale = self._split_scale(method)  # The copies' aggregate takes the value.
+    for device, component in self._written_copies():
+      weight = scale[device] if isinstance(scale, dict) else scale
+      with tf.device(device):
+        write(component, data if weight is None else _scaled(data, weight, self.dtype))
+    return self
 
   def _split_scale(self, method):
     """For a sum, how the value (or delta) is spread over the copies so that they add up
