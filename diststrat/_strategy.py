@@ -268,9 +268,16 @@ class DistributionStrategy:
 
   @cross_tower_method
   def broadcast(self, tensor: Any, destinations: Destinations = None) -> Any:
-    """Copies `tensor` to `destinations` (default: the worker devices): a mirrored value."""
-    return self._broadcast(
-        tensor, _wrapped.resolve_destinations(destinations, self._default_destinations))
+    """Copies `tensor` to `destinations` (default: the worker devices): a mirrored value.
+
+    `tensor` may be a dict, list, tuple or namedtuple of tensors (nested to any depth),
+    as in `reduce`: each leaf is copied, and the result has the same structure.
+    """
+    destinations = _wrapped.resolve_destinations(destinations, self._default_destinations)
+    if not _wrapped.is_structure(tensor):
+      return self._broadcast(tensor, destinations)
+    return _wrapped.pack_as(tensor, [self._broadcast(leaf, destinations)
+                                     for leaf in _wrapped.flatten(tensor)])
 
   @cross_tower_method
   def update(self, var: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

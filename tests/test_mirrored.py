@@ -120,6 +120,27 @@ def test_reduce_places_results_on_destinations():
   assert [float(x) for x in onto_two.values] == [1.5, 1.5]
 
 
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("mode", MODES)
+def test_broadcast_takes_a_structure_as_reduce_does(n, mode):
+  # The default strategy returns a structure unchanged; a real strategy broadcast each
+  # leaf (it raised TensorFlow's "Attempt to convert a value ({...})" ValueError).
+  s = strategy(n)
+  value = {"a": tf.constant([1.0, 2.0]), "b": (tf.constant(3, tf.int64), None), "c": [4.0]}
+  assert ds.DefaultStrategy().broadcast(value) == value
+
+  with s.scope():
+    got = run(mode, lambda: s.broadcast(value, destinations=[CPUS[1], CPUS[0]]))
+  assert set(got) == {"a", "b", "c"} and got["b"][1] is None
+  for leaf, expected in [(got["a"], [1.0, 2.0]), (got["b"][0], 3), (got["c"][0], 4.0)]:
+    assert isinstance(leaf, Mirrored) and leaf.devices == (CPUS[1], CPUS[0])
+    if mode == "eager":  # A tf.function's outputs come back on its own device.
+      assert [c.device for c in leaf.values] == [CPUS[1], CPUS[0]]
+    for component in leaf.values:
+      np.testing.assert_array_equal(component, expected)
+  assert got["b"][0].values[0].dtype == tf.int64
+
 @pytest.mark.parametrize("n", TOWER_COUNTS)
 def test_mirrored_variable_copies_and_reads(n):
   s = strategy(n)
