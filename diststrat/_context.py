@@ -34,6 +34,7 @@ current strategy in step with ours.
 """
 
 import contextlib
+import functools
 import threading
 import typing
 
@@ -347,10 +348,16 @@ def same_merge_fn(a, b):
   """Whether two merge_fns are the same function: equal, or closures of one `def`.
 
   Each tower runs the same code, so a function defined inside the tower function is a
-  new object in every tower; it is still the same function if its code is.
+  new object in every tower; it is still the same function if its code is. So is a
+  `functools.partial` made in every tower: the same if it wraps the same function and
+  binds as many positional arguments and the same keywords (like a closure's captured
+  values, the bound values may differ: tower 0's merge_fn runs).
   """
   if a is b or a == b:
     return True
+  if isinstance(a, functools.partial) and isinstance(b, functools.partial):
+    return (len(a.args) == len(b.args) and a.keywords.keys() == b.keywords.keys()
+            and same_merge_fn(a.func, b.func))
   self_a, self_b = getattr(a, "__self__", None), getattr(b, "__self__", None)
   if self_a is not self_b:
     return False

@@ -223,3 +223,42 @@ def test_merge_call_in_a_tf_function_traced_by_a_tower_says_what_to_do(mode):
                              r"was tracing a tf.function .* Put the tf.function around "
                              r"call_for_each_tower"):
       (tf.function(step) if mode == "function" else step)()
+
+
+def _sum_and_scale(strategy, x, scale):
+  return strategy.reduce("sum", x), scale
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_partials_of_one_function_are_the_same_merge_fn(mode):
+  # functools.partial(f, ...) made in each tower is a new object every time, like a
+  # closure; it raised MergeCallMismatchError ("towers [0] passed partial; towers [1]
+  # passed partial") while the default strategy ran it.
+  import functools
+
+  def fn():
+    tower = ds.get_tower_context()
+    total, scale = tower.merge_call(functools.partial(_sum_and_scale, scale=2.0),
+                                    tf.constant(1.0))
+    return total * scale
+
+  assert float(ds.DefaultStrategy().call_for_each_tower(fn)) == 2.0
+  strategy = ds.MirroredStrategy(CPUS)
+  call = lambda: strategy.call_for_each_tower(fn)  # noqa: E731
+  with strategy.scope():
+    result = call() if mode == "eager" else tf.function(call)()
+  assert [float(v) for v in result.values] == [8.0] * 4
+
+
+def test_partials_of_different_functions_raise_naming_them():
+  import functools
+
+  def fn():
+    tower = ds.get_tower_context()
+    merge_fn = _first if tower.tower_id % 2 == 0 else _second
+    return tower.merge_call(functools.partial(merge_fn), 1.0)
+
+  error = _same_in_both_modes(ds.MirroredStrategy(CPUS), fn)
+  assert isinstance(error, errors.MergeCallMismatchError)
+  assert "towers [0, 2] passed partial(_first); towers [1, 3] passed partial(_second)." \
+      in str(error)

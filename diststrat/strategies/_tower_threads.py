@@ -17,6 +17,7 @@ once; the thread is left to finish in the background (it unwinds at its next
 """
 
 import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -325,6 +326,8 @@ class TowerRunner:
 
 def _describe_fn(fn):
   """A function's name, the same whether or not AutoGraph converted it."""
+  if isinstance(fn, functools.partial):
+    return f"partial({_describe_fn(fn.func)})"
   name = getattr(fn, "__name__", None) or type(fn).__name__
   return name[len("tf__"):] if name.startswith("tf__") else name
 
