@@ -9,7 +9,8 @@ PROTOCOLS = {
     "checkpoints": ("_serialize_to_tensors", "_restore_from_tensors",
                     "_copy_trackable_to_cpu"),
     "optimizer slots": ("_create_or_restore_slot_variable",),
-    "SavedModel": ("_export_to_saved_model_graph", "_write_object_proto"),
+    "SavedModel": ("_export_to_saved_model_graph", "_write_object_proto",
+                   "_trackable_children"),
     "Keras optimizer slots": ("_distributed_container",),
     "tf.distribute bridge": ("_use_merge_call", "_retrace_functions_for_each_device"),
 }

@@ -36,6 +36,7 @@ class _State:
     self.slots = {}             # slot name -> {id(variable): (variable, slot)}
     self.non_slot_names = []    # in creation order
     self.deferred_restores = {}  # (slot name, id(variable)) -> [checkpoint positions]
+    self.slots_as_children = False  # While a SavedModel saves (Optimizer.__dir__).
 
 
 class Optimizer(tf.Module):
@@ -259,6 +260,29 @@ class Optimizer(tf.Module):
   def get_slot_names(self) -> list[str]:
     """The names of the slots this optimizer created, sorted."""
     return sorted(self._state.slots)
+
+  # A SavedModel holds the slots as the optimizer's children, not as slots: TensorFlow's
+  # loader rebuilds slots only for the optimizers it knows (a `tf.Module` holding this
+  # optimizer saved, then failed to load: "'_UserObject' object has no attribute
+  # 'add_slot'"). TensorFlow finds slots in objects whose dir() lists get_slot_names,
+  # after it lists every object's children for the save; so a SavedModel save (children
+  # listed for "savedmodel") hides it from dir() until the next save lists them again.
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    children = super()._trackable_children(save_type, **kwargs)
+    self._state.slots_as_children = save_type == "savedmodel"
+    if self._state.slots_as_children:
+      for name in sorted(self._state.slots):
+        for i, (_, slot) in enumerate(self._state.slots[name].values()):
+          children[f"{name}_slot_{i}"] = slot
+    return children
+
+  def __dir__(self):
+    names = super().__dir__()
+    state = vars(self).get("_state")  # None while __init__ runs.
+    if state is not None and state.slots_as_children:
+      return [n for n in names if n != "get_slot_names"]
+    return names
 
   def variables(self) -> list[Any]:
     """Every variable of the optimizer's state: slots, then non-slot variables."""
