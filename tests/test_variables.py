@@ -176,9 +176,60 @@ def test_a_sparse_write_of_a_mirrored_variable_in_a_tower_says_where_to_write_it
         tf.IndexedSlices(tf.constant([1.0]), tf.constant([0]))))
 
   with pytest.raises(ValueError, match=r"Cannot scatter_add\(\) the mirrored variable "
-                     r"'Variable:0' in a tower context.*Write it in cross-tower context"):
+                     r"'Variable:0' in a tower context \(aggregation NONE\).*Only "
+                     r"scatter_add and scatter_sub of tf.IndexedSlices, with aggregation SUM "
+                     r"or MEAN.*Write it in cross-tower context"):
     tf.function(step)() if traced else step()
   assert copies(v) == [[1.0, 2.0]] * 2
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_scatter_add_in_towers_combines_the_towers_rows_by_the_aggregation(traced):
+  s = strategy(4)
+  with s.scope():
+    summed = tf.Variable(tf.zeros([3]), aggregation=SUM)
+    averaged = tf.Variable(tf.zeros([3]), aggregation=MEAN)
+
+  def tower():
+    i = ds.get_tower_context().tower_id
+    for v in (summed, averaged):
+      v.scatter_add(tf.IndexedSlices(tf.constant([float(i + 1)]), tf.constant([i % 2])))
+      v.scatter_sub(tf.IndexedSlices(tf.constant([1.0]), tf.constant([2])))
+
+  step = lambda: s.call_for_each_tower(tower)  # noqa: E731
+  tf.function(step)() if traced else step()
+  assert copies(summed) == [[4.0, 6.0, -4.0]] * 4
+  assert copies(averaged) == [[1.0, 1.5, -1.0]] * 4
+
+
+def test_keras_adagrad_on_an_embedding_matches_one_device():
+  """Keras's Adagrad writes its accumulator with scatter_add for an embedding's sparse
+  gradient, inside update(): it raised NotImplementedError."""
+  import keras  # pylint: disable=g-import-not-at-top
+
+  def train(s, ids):
+    with s.scope():
+      embedding = keras.layers.Embedding(6, 2, embeddings_initializer="ones")
+      embedding.build((None,))
+      optimizer = keras.optimizers.Adagrad(0.1)
+
+    def tower(ids):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(embedding(ids))
+      grads = tape.gradient(loss, embedding.trainable_variables)
+      assert isinstance(grads[0], tf.IndexedSlices)
+      optimizer.apply_gradients(zip(grads, embedding.trainable_variables, strict=True))
+
+    for _ in range(2):
+      s.call_for_each_tower(tower, ids)
+    return embedding.embeddings.value
+
+  expected = train(ds.get_distribution_strategy(), tf.constant([1, 2, 1, 3])).numpy()
+  two = strategy(2)
+  got = train(two, ds.values.PerDevice({CPUS[0]: tf.constant([1, 2]),
+                                        CPUS[1]: tf.constant([1, 3])}))
+  for component in got.values:
+    np.testing.assert_allclose(component.numpy(), expected, rtol=1e-6)
 
 
 def test_strategy_update_with_a_scatter_writes_each_copy():

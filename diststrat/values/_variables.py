@@ -591,13 +591,30 @@ class MirroredVariable(DistributedVariable):
         with tf.device(device):
           write(component, _wrapped.select_device(device, data))
       return self
+    aggregation = self._aggregation
+    if (method in ("scatter_add", "scatter_sub") and isinstance(data, tf.IndexedSlices)
+        and aggregation in (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)):
+      # The towers' rows, reduced as sparse gradients are, go to every copy. Each
+      # tower's rows are its own tensors (as in `_write`).
+      rows = tf.IndexedSlices(tf.identity(data.values), tf.identity(data.indices),
+                              data.dense_shape)
+
+      def merge_fn(strategy, rows):
+        reduced = strategy.reduce(aggregation, rows, destinations=self)
+        return strategy.update(self, lambda component, r: getattr(component, method)(r),
+                               reduced)
+
+      _context.get_tower_context().merge_call(merge_fn, rows)
+      return self
     raise ValueError(
-        f"Cannot {method}() the mirrored variable {self.name!r} in a tower context: the "
-        "towers would write different rows, and diststrat keeps every copy equal. Write "
-        "it in cross-tower context (outside call_for_each_tower, in merge_call, or with "
-        "strategy.update(v, fn), which runs fn on each copy), or write a dense value with "
-        "assign, assign_add or assign_sub, which combine the towers' values by the "
-        "variable's aggregation.")
+        f"Cannot {method}() the mirrored variable {self.name!r} in a tower context "
+        f"(aggregation {aggregation.name}): the towers would write different parts, and "
+        "diststrat keeps every copy equal. Only scatter_add and scatter_sub of "
+        "tf.IndexedSlices, with aggregation SUM or MEAN, combine the towers' writes in a "
+        "tower. Write it in cross-tower context (outside call_for_each_tower, in "
+        "merge_call, or with strategy.update(v, fn), which runs fn on each copy), or "
+        "write a dense value with assign, assign_add or assign_sub, which combine the "
+        "towers' values by the variable's aggregation.")
 
   def _write_one(self, device, method, value, read_value):
     op = getattr(self._index[device], method)(_wrapped.select_device(device, value),
