@@ -50,6 +50,20 @@ def test_python_numbers_of_a_tower_local_sum_are_the_sum():
   assert float(v) == 6.0 and [float(c) for c in v.values] == [1.5] * 4
 
 
+def test_read_value_no_copy_and_set_shape_as_for_a_plain_variable():
+  """read_value_no_copy raised AttributeError, set_shape a bare NotImplementedError."""
+  with strategy(2).scope():
+    v = tf.Variable([1.0, 2.0])
+    t = tf.Variable([0.0, 0.0], synchronization=ON_READ, aggregation=SUM)
+  t.assign([4.0, 6.0])
+  assert v.read_value_no_copy().numpy().tolist() == [1.0, 2.0]
+  assert t.read_value_no_copy().numpy().tolist() == [4.0, 6.0]  # The aggregate.
+  v.set_shape([2])
+  assert v.shape == [2] and all(c.shape == [2] for c in v.values)
+  with pytest.raises(ValueError):  # As a plain variable's: shapes must be compatible.
+    v.set_shape([3])
+
+
 def test_deepcopy_makes_new_copies_on_the_same_devices():
   s = strategy(2)
   with s.scope():

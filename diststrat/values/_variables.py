@@ -208,6 +208,10 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   def get_shape(self) -> tf.TensorShape:
     return self.primary.get_shape()
 
+  def set_shape(self, shape: Any) -> None:
+    for component in self._index.values():
+      component.set_shape(shape)
+
   @property
   def trainable(self) -> bool:
     return self.primary.trainable
@@ -272,6 +276,10 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   @tf.autograph.experimental.do_not_convert
   def read_value(self) -> tf.Tensor:
     return self._tower_stream(self._component().read_value())
+
+  @tf.autograph.experimental.do_not_convert
+  def read_value_no_copy(self) -> tf.Tensor:
+    return self._tower_stream(self._component().read_value_no_copy())
 
   @tf.autograph.experimental.do_not_convert
   def sparse_read(self, indices: Any, name: Optional[str] = None) -> tf.Tensor:
@@ -701,6 +709,9 @@ class TowerLocalVariable(DistributedVariable):
     return self._aggregate()
 
   def read_value(self) -> tf.Tensor:
+    return self.value()
+
+  def read_value_no_copy(self) -> tf.Tensor:
     return self.value()
 
   def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
