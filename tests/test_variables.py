@@ -364,3 +364,37 @@ def test_a_saved_module_holding_an_optimizer_with_slots_loads_and_trains_the_sam
   for name in ("m", "v"):
     np.testing.assert_allclose(m2.opt.get_slot(m2.w, name).numpy(),
                                m.opt.get_slot(m.w, name).numpy())
+
+
+def test_exponential_moving_average_matches_no_strategy():
+  """tf.train.ExponentialMovingAverage raised AttributeError ('_save_slice_info', which
+  TensorFlow reads on any tf.Variable when it makes the average's slot)."""
+
+  def run(s):
+    with s.scope():
+      w = tf.Variable([1.0, 2.0])
+      ema = tf.train.ExponentialMovingAverage(0.9)
+      ema.apply([w])
+    seen = []
+
+    @tf.function
+    def step():
+      w.assign_add([1.0, 1.0])
+      ema.apply([w])
+      return ema.average(w).read_value()
+
+    with s.scope():
+      for _ in range(2):
+        w.assign_add([1.0, 1.0])
+        ema.apply([w])
+        seen.append(ema.average(w).numpy().tolist())
+      seen.append(step().numpy().tolist())
+    s.call_for_each_tower(lambda: ds.get_tower_context().merge_call(
+        lambda _: ema.apply([w])))
+    seen.append(ema.average(w).numpy().tolist())
+    return seen, ema.average(w)
+
+  expected, _ = run(ds.get_distribution_strategy())
+  got, average = run(strategy(2))
+  np.testing.assert_allclose(got, expected, rtol=1e-6)
+  assert type(average) is MirroredVariable and copies(average)[0] == copies(average)[1]

@@ -5,7 +5,7 @@ from diststrat._tf import tf
 PROTOCOLS = {
     "distributed variables": ("_should_act_as_resource_variable", "_dense_var_to_tensor",
                               "_shared_name", "_unique_id", "_in_graph_mode",
-                              "_strided_slice_assign"),
+                              "_strided_slice_assign", "_save_slice_info"),
     "checkpoints": ("_serialize_to_tensors", "_restore_from_tensors",
                     "_copy_trackable_to_cpu"),
     "optimizer slots": ("_create_or_restore_slot_variable",),

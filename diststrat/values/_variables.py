@@ -141,6 +141,9 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
   # Makes tf.GradientTape and friends treat this object as a resource variable: they
   # then use `.handle`, the handle of the component for the current context.
   _should_act_as_resource_variable = True
+  # TensorFlow reads it on any tf.Variable (its slot creator, for the averages of
+  # tf.train.ExponentialMovingAverage): a distributed variable is not partitioned.
+  _save_slice_info = None
 
   def is_tensor_like(self) -> bool:
     """Makes `tf.is_tensor()` true, as for a tf.Variable (tf.GradientTape.watch checks it)."""
