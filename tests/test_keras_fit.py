@@ -376,3 +376,49 @@ def test_an_empty_tower_adds_no_nan_through_batch_normalization(run_eagerly):
   for (name, got), (_, want) in zip(towers, reference, strict=True):
     assert np.isfinite(got).all(), name
     np.testing.assert_allclose(got, want, atol=1e-5, err_msg=name)
+
+
+class GuideModel(keras.Model):
+  """The custom `train_step` of Keras's guide "Customizing what happens in fit()": it
+  returns `{m.name: m.result() for m in self.metrics}`, where the compiled metrics'
+  result is itself a dict (`{"compile_metrics": {"mae": ...}}`)."""
+
+  def train_step(self, data):
+    x, y = data
+    with tf.GradientTape() as tape:
+      y_pred = self(x, training=True)
+      loss = self.compute_loss(y=y, y_pred=y_pred)
+    gradients = tape.gradient(loss, self.trainable_variables)
+    self.optimizer.apply(gradients, self.trainable_variables)
+    for metric in self.metrics:
+      if metric.name == "loss":
+        metric.update_state(loss)
+      else:
+        metric.update_state(y, y_pred)
+    return {m.name: m.result() for m in self.metrics}
+
+
+@pytest.mark.parametrize("name", ["mirrored2", "mirrored4"])
+def test_a_custom_train_step_returning_nested_metric_results_logs_one_devices(name):
+  """The nested metric results were logged as diststrat `PerDevice` objects (one value
+  per tower, not a number) in `History`; now each is the metric's global value."""
+  x, y = _data(n=60)
+
+  def run(strategy):
+    with strategy.scope():
+      keras.utils.set_random_seed(1)
+      inputs = keras.Input((FEATURES,))
+      outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(inputs))
+      model = GuideModel(inputs, outputs)
+      model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    history = model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0,
+                        validation_data=(x[:20], y[:20])).history
+    return history, model.get_weights()
+
+  reference, reference_weights = run(ds.DefaultStrategy())
+  history, weights = run(STRATEGIES[name]())
+  assert sorted(history) == sorted(reference)
+  for key in ("mae", "val_loss", "val_mae"):
+    assert all(isinstance(v, float) for v in history[key]), (key, history[key])
+    np.testing.assert_allclose(history[key], reference[key], rtol=1e-5, err_msg=key)
+  assert_all_close(weights, reference_weights)

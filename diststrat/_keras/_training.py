@@ -447,14 +447,27 @@ def combine_step_outputs(strategy, fn, outputs):
   if is_train_or_test_step(fn):
     model = fn.__self__
     metrics = model.get_metrics_result()  # Cross-tower: tower-local metrics summed.
-    if isinstance(outputs, dict):
-      return {k: metrics[k] if k in metrics else _mean(strategy, v)
-              for k, v in outputs.items()}
-    return _wrapped.pack_as(outputs, [_mean(strategy, v) for v in _wrapped.flatten(outputs)])
+    return _combine_step_logs(strategy, outputs, metrics)
   # Every tower's output, in tower order (the input batch's); with several worker
   # processes, every worker's (MultiWorkerMirroredStrategy gathers across them).
   return _wrapped.pack_as(outputs, [strategy.gather(v, axis=0)
                                     for v in _wrapped.flatten(outputs)])
+
+
+def _combine_step_logs(strategy, outputs, metrics):
+  """A train or test step's `outputs` with each value named by a metric replaced by the
+  metric's global value (`metrics`, read in cross-tower context), at any depth of nested
+  dicts, and every other value averaged over the towers (`_mean`).
+
+  Nested dicts are what a custom `train_step` returning `{m.name: m.result() for m in
+  self.metrics}` gives (Keras's own guide does): the compiled metrics' result is a dict
+  (`"compile_metrics": {"mae": ...}`), which Keras flattens into the logs.
+  """
+  if isinstance(outputs, dict):
+    return {k: metrics[k] if k in metrics and not isinstance(v, dict)
+            else _combine_step_logs(strategy, v, metrics)
+            for k, v in outputs.items()}
+  return _wrapped.pack_as(outputs, [_mean(strategy, v) for v in _wrapped.flatten(outputs)])
 
 
 def _mean(strategy, value):
