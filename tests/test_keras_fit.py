@@ -255,6 +255,28 @@ def test_batch_entry_points_and_short_predict_batches():
   np.testing.assert_allclose(short, reference.predict(x[:3], verbose=0), rtol=1e-5, atol=1e-6)
 
 
+
+def test_eager_batch_entry_points_split_their_numpy_batches():
+  """With `run_eagerly=True`, Keras hands `train_on_batch`, `test_on_batch` and
+  `predict_on_batch`'s numpy arrays to the strategy as they are: every tower got the whole
+  batch, and `predict_on_batch` returned 4 x 6 rows."""
+  x, y = _data()
+  reference = _make(weights=list(_initial_weights()), run_eagerly=True)
+  model = _build(STRATEGIES["mirrored4"](), run_eagerly=True)
+  SEEN.clear()
+  got = model.train_on_batch(x[:10], y[:10], return_dict=True)
+  assert sorted(SEEN) == [(0, 3), (1, 3), (2, 2), (3, 2)]
+  expected = reference.train_on_batch(x[:10], y[:10], return_dict=True)
+  assert {k: float(v) for k, v in got.items()} == pytest.approx(
+      {k: float(v) for k, v in expected.items()}, rel=1e-5)
+  assert_all_close(model.get_weights(), reference.get_weights())
+  np.testing.assert_allclose(model.test_on_batch(x[:8], y[:8]),
+                             reference.test_on_batch(x[:8], y[:8]), rtol=1e-5)
+  SEEN.clear()
+  predicted = model.predict_on_batch(x[:6])
+  assert sorted(SEEN) == [(0, 2), (1, 2), (2, 1), (3, 1)]
+  np.testing.assert_allclose(predicted, reference.predict_on_batch(x[:6]), rtol=1e-5, atol=1e-6)
+
 @pytest.mark.parametrize("name", ["mirrored4", "ps4"])
 def test_model_built_outside_the_scope_is_refused(name):
   x, y = _data()

@@ -359,9 +359,10 @@ class StrategyAdapter:
   def run(self, fn, args=(), kwargs=None, options=None):
     """Runs `fn` on every tower, each on its part of the global batch in `args`.
 
-    Keras's trainer calls this with a global batch. Every tensor with a batch axis in
-    `args` and `kwargs` is split across the towers (`BatchParts`, as `distribute_dataset`
-    does, a tower may get no example); with several worker processes training on one
+    Keras's trainer calls this with a global batch. Every tensor (or numpy array: Keras's
+    eager `*_on_batch` steps pass them) with a batch axis in `args` and `kwargs` is split
+    across the towers (`BatchParts`, as `distribute_dataset` does, a tower may get no
+    example); with several worker processes training on one
     global batch (MultiWorkerMirroredStrategy), this process's towers take their share.
     Wrapped values give each tower its component; anything else is passed to every
     tower as it is.

@@ -47,6 +47,8 @@ import typing
 import weakref
 from typing import Any
 
+import numpy as np
+
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _input
@@ -416,7 +418,8 @@ def route_step(adapter, fn):
 
 
 def split_step_inputs(strategy, args, kwargs):
-  """`(args, kwargs)` with every tensor with a batch axis split across the towers.
+  """`(args, kwargs)` with every tensor (or numpy array) with a batch axis split across
+  the towers.
 
   Each is split as `distribute_dataset` does (`BatchParts`; a tower may get no
   example); with several worker processes training on one global batch
@@ -427,6 +430,10 @@ def split_step_inputs(strategy, args, kwargs):
   first_tower, num_towers = strategy._batch_split()
 
   def split(x):
+    # Keras's eager steps (`run_eagerly=True`) hand `train_on_batch`, `test_on_batch` and
+    # `predict_on_batch`'s numpy arrays to `run` as they are: they are batches too.
+    if isinstance(x, np.ndarray) and x.ndim != 0:
+      x = tf.convert_to_tensor(x)
     if isinstance(x, tf.Tensor) and x.shape.rank != 0:
       return _input.split_batch(x, devices, allow_empty=True, first_tower=first_tower,
                                 num_towers=num_towers)
