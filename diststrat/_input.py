@@ -131,6 +131,13 @@ def split_batch(batch, devices, allow_empty=False, first_tower=0, num_towers=Non
       extra = size % n
       sizes = base + tf.cast(tf.range(n, dtype=tf.int64) < extra, tf.int64)
   parts = tf.split(batch, sizes, num=n, axis=0)[first_tower:first_tower + len(devices)]
+  if static is not None and static < n and not tf.executing_eagerly():
+    # Fewer examples than towers, in a graph: TensorFlow infers each part's size (some
+    # 0) from the static batch size. Keras reads a 0 there as a squeezable axis
+    # (`keras.ops.add`, so `layers.Add` and `x + y` of two such parts, makes it a
+    # `BiasAdd`, which then fails to build), so the parts' batch axis is left unknown,
+    # as for a batch of unknown size.
+    parts = [tf.compat.v1.placeholder_with_default(p, [None] + p.shape[1:]) for p in parts]
   placed = {}
   # strict=False: as before; first_tower and num_towers are the caller's (public arguments).
   for device, part in zip(devices, parts, strict=False):

@@ -444,3 +444,36 @@ def test_a_custom_train_step_returning_nested_metric_results_logs_one_devices(na
     assert all(isinstance(v, float) for v in history[key]), (key, history[key])
     np.testing.assert_allclose(history[key], reference[key], rtol=1e-5, err_msg=key)
   assert_all_close(weights, reference_weights)
+
+
+@pytest.mark.parametrize("kind", ["add", "lstm"])
+def test_residual_and_lstm_models_on_batches_smaller_than_the_tower_count(kind):
+  """Compiled steps on batches of 2 and 3 over 4 towers. The batches' size is static, and
+  TensorFlow inferred the empty towers' parts as 0 rows: `keras.ops.add` (the `Add`
+  layer, an LSTM cell's bias) takes a 0-size axis for a squeezable one and built a
+  `BiasAdd` of two matrices, `ValueError: Shape must be rank 1 but is rank 2`."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(6, 5)).astype(np.float32)
+  y = rng.normal(size=(6, 5)).astype(np.float32)
+
+  def run(strategy):
+    with strategy.scope():
+      keras.utils.set_random_seed(1)
+      inputs = keras.Input((5,))
+      hidden = keras.layers.Dense(5)(inputs)
+      if kind == "add":
+        outputs = keras.layers.Add()([inputs, hidden])
+      else:
+        outputs = keras.layers.LSTM(5)(keras.layers.Reshape((5, 1))(hidden))
+      model = keras.Model(inputs, outputs)
+      model.compile(keras.optimizers.SGD(0.1), "mse")
+    history = model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0).history
+    on_batch = model.train_on_batch(x[:3], y[:3])
+    return (history["loss"], on_batch, model.predict_on_batch(x[:3]),
+            model.predict(x, batch_size=5, verbose=0), model.get_weights())
+
+  reference = run(ds.DefaultStrategy())
+  towers = run(ds.MirroredStrategy(CPUS))
+  for got, want in zip(towers[:4], reference[:4], strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert_all_close(towers[4], reference[4])
