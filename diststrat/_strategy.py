@@ -20,6 +20,7 @@ from diststrat import _tf_internal
 from diststrat import errors
 from diststrat._arguments import as_tf_variable
 from diststrat._arguments import canonical_aggregation
+from diststrat.values import _variables
 from diststrat.values import _wrapped
 
 AggregationArgument = Union[str, tf.VariableAggregation]
@@ -115,6 +116,21 @@ def _updated_devices(where):
   variable for all the copies (diststrat/values/_variables.py)."""
   devices = _wrapped.devices_of(where)
   return devices[:1] if _tf_internal.in_saved_model_trace() else devices
+
+
+def _as_saved(value):
+  """`value`, with each tower-local variable in it taken as the shares its copies hold in
+  a SavedModel's one variable while the save traces (`TowerLocalVariable.saved_shares`):
+  a reduction or `unwrap` of one then adds up after loading as it did before."""
+  if not _tf_internal.in_saved_model_trace():
+    return value
+
+  def view(leaf):
+    return leaf.saved_shares() if isinstance(leaf, _variables.TowerLocalVariable) else leaf
+
+  if _wrapped.is_structure(value):
+    return _wrapped.pack_as(value, [view(leaf) for leaf in _wrapped.flatten(value)])
+  return view(value)
 
 
 def _static_rank(component):
@@ -228,6 +244,7 @@ class DistributionStrategy:
     """
     aggregation = canonical_aggregation(aggregation)
     destinations = _wrapped.resolve_destinations(destinations, self._default_destinations)
+    value = _as_saved(value)
     if not _wrapped.is_structure(value):
       _arguments.check_reducible("reduce", value, _wrapped.DistributedValues)
       return self._reduce(aggregation, value, destinations)
@@ -252,6 +269,7 @@ class DistributionStrategy:
     for pair in _arguments.check_value_destination_pairs("batch_reduce",
                                                         value_destination_pairs):
       destinations = _wrapped.resolve_destinations(pair[1], self._default_destinations)
+      pair = (_as_saved(pair[0]), pair[1])
       leaves = _wrapped.flatten(pair[0]) if _wrapped.is_structure(pair[0]) else [pair[0]]
       for leaf in leaves:
         _arguments.check_reducible("batch_reduce", leaf, _wrapped.DistributedValues)
@@ -331,7 +349,7 @@ class DistributionStrategy:
   @cross_tower_method
   def unwrap(self, value: Any) -> list[Any]:
     """The per-device components of `value`, as a list (`[value]` for a plain value)."""
-    return self._unwrap(as_tf_variable(value))
+    return self._unwrap(_as_saved(as_tf_variable(value)))
 
   @cross_tower_method
   def group(self, value: Any, name: str | None = None) -> Any:
@@ -362,6 +380,7 @@ class DistributionStrategy:
     """
     axis = _arguments.check_int("axis", axis)
     destinations = _wrapped.resolve_destinations(destinations, default=None)  # No copy.
+    value = _as_saved(value)
     if not _wrapped.is_structure(value):
       _check_gather_axis(axis, self._unwrap(as_tf_variable(value)))
       return self._gather(value, axis, destinations)

@@ -120,7 +120,6 @@ def test_reduce_places_results_on_destinations():
   assert [float(x) for x in onto_two.values] == [1.5, 1.5]
 
 
-
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("mode", MODES)
 def test_broadcast_takes_a_structure_as_reduce_does(n, mode):

@@ -398,3 +398,72 @@ def test_exponential_moving_average_matches_no_strategy():
   got, average = run(strategy(2))
   np.testing.assert_allclose(got, expected, rtol=1e-6)
   assert type(average) is MirroredVariable and copies(average)[0] == copies(average)[1]
+
+
+def test_saved_functions_use_tower_local_variables_in_towers_as_before_saving(tmp_path):
+  """In the save's trace every copy is the one variable the SavedModel keeps, holding the
+  aggregate: tower reads are its shares, tower writes are combined by the aggregation,
+  and reductions and unwrap take the shares. Before, a MEAN assign_add in each tower
+  added N times, a SUM assign in each tower kept one tower's value, and reductions of
+  the variable (the usual metric pattern) added N times its sum after loading."""
+  s = strategy(2)
+  with s.scope():
+    m = tf.Module()
+    m.mean = tf.Variable(0.0, synchronization=ON_READ, aggregation=MEAN)
+    m.total = tf.Variable(0.0, synchronization=ON_READ, aggregation=SUM)
+    m.count = tf.Variable(0, synchronization=ON_READ, aggregation=SUM)
+  m.total.assign(4.0)
+  m.count.assign(5)
+
+  def tower_add():
+    m.mean.assign_add(1.0)
+    m.count.assign_add(1)
+    return m.total.read_value() + 0.0
+
+  @tf.function(input_signature=[])
+  def add():
+    return s.reduce("sum", s.call_for_each_tower(tower_add)).primary, tf.identity(m.mean)
+
+  @tf.function(input_signature=[])
+  def reduced():
+    return (s.reduce("sum", m.total).primary, s.reduce("mean", m.total).primary,
+            tf.add_n(s.unwrap(m.total)), s.reduce("sum", {"n": m.count})["n"].primary)
+
+  @tf.function(input_signature=[])
+  def set_each():
+    s.call_for_each_tower(lambda: m.total.assign(3.0))
+    return tf.identity(m.total)
+
+  m.add, m.reduced, m.set_each = add, reduced, set_each
+
+  def run(module):
+    out = [[float(x) for x in module.add()] for _ in range(2)]
+    out.append([float(x) for x in module.reduced()])
+    out.append(float(module.set_each()))
+    return out, float(module.mean), int(module.count)
+
+  loaded = _save_and_load(m, tmp_path)  # Both run from the values saved.
+  expected = run(m)
+  assert expected == ([[4.0, 1.0], [4.0, 2.0], [4.0, 2.0, 4.0, 9.0], 6.0], 2.0, 9)
+  assert run(loaded) == expected
+
+
+def test_sparse_reads_of_a_tower_local_variable_cross_tower_read_the_aggregate():
+  """sparse_read, gather_nd and tf.gather read the first copy's share of a SUM."""
+  with strategy(2).scope():
+    t = tf.Variable([0.0, 0.0], synchronization=ON_READ, aggregation=SUM)
+  t.assign([4.0, 6.0])
+  assert t.sparse_read([1, 0]).numpy().tolist() == [6.0, 4.0]
+  assert t.gather_nd([[1]]).numpy().tolist() == [6.0]
+  assert tf.gather(t, [1]).numpy().tolist() == [6.0]
+  assert tf.function(lambda: tf.gather(t, [0, 1]))().numpy().tolist() == [4.0, 6.0]
+
+
+def test_integer_scatter_div_of_a_tower_local_sum_cross_tower_says_what_to_do():
+  """Each copy's floored quotient does not add up to the sum's: [1,3]+[1,3] by 2 gave
+  [0, 2], where a plain variable [2, 6] gives [1, 3]."""
+  with strategy(2).scope():
+    t = tf.Variable([0, 0], synchronization=ON_READ, aggregation=SUM)
+  with pytest.raises(ValueError, match=r"Cannot scatter_div\(\) the integer tower-local "
+                     r"variable .*floored quotients"):
+    t.scatter_div(tf.IndexedSlices(tf.constant([2, 2]), tf.constant([0, 1])))

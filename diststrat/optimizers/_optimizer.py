@@ -1,6 +1,7 @@
 """`Optimizer`: slot and non-slot state, gradients, and the hooks concrete optimizers fill."""
 
 import contextlib
+import threading
 
 from typing import Any, Sequence
 
@@ -36,7 +37,10 @@ class _State:
     self.slots = {}             # slot name -> {id(variable): (variable, slot)}
     self.non_slot_names = []    # in creation order
     self.deferred_restores = {}  # (slot name, id(variable)) -> [checkpoint positions]
-    self.slots_as_children = False  # While a SavedModel saves (Optimizer.__dir__).
+    # Thread id -> whether the last save that thread ran was a SavedModel's (see
+    # Optimizer.__dir__): per thread, since a checkpoint saved meanwhile by another
+    # thread must not change what this thread's SavedModel save sees.
+    self.slots_as_children = {}
 
 
 class Optimizer(tf.Module):
@@ -265,13 +269,16 @@ class Optimizer(tf.Module):
   # loader rebuilds slots only for the optimizers it knows (a `tf.Module` holding this
   # optimizer saved, then failed to load: "'_UserObject' object has no attribute
   # 'add_slot'"). TensorFlow finds slots in objects whose dir() lists get_slot_names,
-  # after it lists every object's children for the save; so a SavedModel save (children
-  # listed for "savedmodel") hides it from dir() until the next save lists them again.
+  # after it lists every object's children for the save (in the save's own context and
+  # again, outside it, to write the SavedModel's checkpoint); so a SavedModel save
+  # (children listed for "savedmodel") hides it from dir() in that thread until the
+  # next save there lists them again.
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     children = super()._trackable_children(save_type, **kwargs)
-    self._state.slots_as_children = save_type == "savedmodel"
-    if self._state.slots_as_children:
+    as_children = save_type == "savedmodel"
+    self._state.slots_as_children[threading.get_ident()] = as_children
+    if as_children:
       for name in sorted(self._state.slots):
         for i, (_, slot) in enumerate(self._state.slots[name].values()):
           children[f"{name}_slot_{i}"] = slot
@@ -280,7 +287,7 @@ class Optimizer(tf.Module):
   def __dir__(self):
     names = super().__dir__()
     state = vars(self).get("_state")  # None while __init__ runs.
-    if state is not None and state.slots_as_children:
+    if state is not None and state.slots_as_children.get(threading.get_ident()):
       return [n for n in names if n != "get_slot_names"]
     return names
 

@@ -47,13 +47,18 @@ def _in_real_tower():
 
 # Sparse and sliced writes, by what a tower-local variable's cross-tower write does with
 # the value: spread it over the copies as `assign*` do (so that the copies' aggregate
-# takes it), give every copy the whole value (a product scales the sum and the mean
-# alike), or refuse (the min or max of an aggregate is not the aggregate of mins).
+# takes it), refuse (the min or max of an aggregate is not the aggregate of mins), or,
+# for `scatter_mul` and `scatter_div`, give every copy the whole value (a product scales
+# the sum and the mean alike; an integer sum's floored quotient is refused).
 _SPREAD_WRITES = frozenset([
     "scatter_update", "scatter_add", "scatter_sub", "batch_scatter_update",
     "scatter_nd_update", "scatter_nd_add", "scatter_nd_sub", "sliced assign"])
-_SCALING_WRITES = frozenset(["scatter_mul", "scatter_div"])
 _ORDER_WRITES = frozenset(["scatter_max", "scatter_min", "scatter_nd_max", "scatter_nd_min"])
+
+
+def _named(method):
+  """How an error message names a write: "assign to a slice of" for a sliced assign."""
+  return "assign to a slice of" if method == "sliced assign" else f"{method}()"
 
 
 def _scaled(data, weight, dtype):
@@ -618,7 +623,7 @@ class MirroredVariable(DistributedVariable):
       _context.get_tower_context().merge_call(merge_fn, rows)
       return self
     raise ValueError(
-        f"Cannot {method}() the mirrored variable {self.name!r} in a tower context "
+        f"Cannot {_named(method)} the mirrored variable {self.name!r} in a tower context "
         f"(aggregation {aggregation.name}): the towers would write different parts, and "
         "diststrat keeps every copy equal. Only scatter_add and scatter_sub of "
         "tf.IndexedSlices, with aggregation SUM or MEAN, combine the towers' writes in a "
@@ -706,7 +711,44 @@ class TowerLocalVariable(DistributedVariable):
     return (_in_real_tower() or _context.get_update_device() is not None
             or _tf_internal.in_saved_model_trace())
 
+  # --- while a SavedModel traces: its one variable holds the aggregate ---
+
+  def _saved_share(self, device):
+    """What the copy on `device` holds of the aggregate, read from the one variable a
+    SavedModel keeps: the aggregate split as a cross-tower `assign` splits it."""
+    scale = self._split_scale("assign")
+    weight = scale[device] if isinstance(scale, dict) else scale
+    with tf.device(device):
+      total = self.primary.value()
+      return total if weight is None else total * tf.cast(weight, self.dtype)
+
+  def saved_shares(self):
+    """A `PerDevice` of `_saved_share` for every copy: what reductions, `unwrap` and
+    `gather` take as this variable's copies while a SavedModel traces, so that they
+    add up after loading as they did before."""
+    return _wrapped.PerDevice({d: self._saved_share(d) for d in self._index})
+
+  def _merge_saved_tower_write(self, method, value, read_value):
+    """A tower's write while a SavedModel traces: the towers' values are combined by the
+    aggregation (as the copies' aggregate would change) and written once."""
+    value = (tf.identity(value) if isinstance(value, (tf.Tensor, tf.Variable))
+             else tf.convert_to_tensor(value, dtype=self.dtype))
+    aggregation = self._aggregation
+
+    def merge_fn(strategy, value):
+      combined = strategy.reduce(aggregation, value, destinations=self)
+      return strategy.update(self, lambda component, v: getattr(component, method)(
+          v, read_value=False), combined)
+
+    _context.get_tower_context().merge_call(merge_fn, value)
+    if read_value:
+      return self
+    return None if tf.executing_eagerly() else tf.no_op()
+
   def value(self) -> tf.Tensor:
+    tower = _context.get_tower_context()
+    if tower is not None and self._reads_saved_share():
+      return self._saved_share(tower.device)
     if self._reads_one_copy():
       return self._component().value()
     return self._aggregate()
@@ -717,13 +759,30 @@ class TowerLocalVariable(DistributedVariable):
   def read_value_no_copy(self) -> tf.Tensor:
     return self.value()
 
+  def _reads_saved_share(self):
+    return _in_real_tower() and _tf_internal.in_saved_model_trace()
+
   def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-    if self._reads_one_copy():
+    if self._reads_one_copy() and (as_ref or not self._reads_saved_share()):
       return super()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
-    value = self._aggregate()
+    value = self.value()
     return value if dtype is None else tf.cast(value, dtype)
 
+  @tf.autograph.experimental.do_not_convert
+  def sparse_read(self, indices: Any, name: Optional[str] = None) -> tf.Tensor:
+    if self._reads_one_copy() and not self._reads_saved_share():
+      return super().sparse_read(indices, name=name)
+    return tf.gather(self.value(), indices, name=name)  # The aggregate, or a share.
+
+  @tf.autograph.experimental.do_not_convert
+  def gather_nd(self, indices: Any, name: Optional[str] = None) -> tf.Tensor:
+    if self._reads_one_copy() and not self._reads_saved_share():
+      return super().gather_nd(indices, name=name)
+    return tf.gather_nd(self.value(), indices, name=name)
+
   def _write(self, method, value, read_value):
+    if self._reads_saved_share():
+      return self._merge_saved_tower_write(method, value, read_value)
     if _in_real_tower() or _context.get_update_device() is not None:
       component = self._component()
       result = getattr(component, method)(value, read_value=False)
@@ -734,6 +793,14 @@ class TowerLocalVariable(DistributedVariable):
     if _in_real_tower() or _context.get_update_device() is not None:
       write(self._component(), data)
       return self
+    if (method == "scatter_div" and self.dtype.is_integer and not
+        _tf_internal.in_saved_model_trace()
+        and self._aggregation == tf.VariableAggregation.SUM):
+      raise ValueError(
+          f"Cannot scatter_div() the integer tower-local variable {self.name!r} in "
+          "cross-tower context: its value is the sum of its copies, and the sum of the "
+          "copies' floored quotients is not the floored quotient of their sum. Read it "
+          "(v.read_value()), compute the new value, and assign() it.")
     if method in _ORDER_WRITES and not _tf_internal.in_saved_model_trace():
       kind = "sum" if self._aggregation == tf.VariableAggregation.SUM else "mean"
       raise ValueError(
@@ -742,7 +809,7 @@ class TowerLocalVariable(DistributedVariable):
           f"{method.rsplit('_', 1)[-1]} is not the {method.rsplit('_', 1)[-1]} of their "
           f"{kind}. Read it (v.read_value()), compute the new value, and assign() it; or "
           "write each tower's copy in its tower.")
-    scale = None
+    scale = None  # scatter_mul, scatter_div: every copy takes the whole value.
     if method in _SPREAD_WRITES and not _tf_internal.in_saved_model_trace():
       scale = self._split_scale(method)  # The copies' aggregate takes the value.
     for device, component in self._written_copies():
