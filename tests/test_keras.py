@@ -476,3 +476,106 @@ def test_keras_merge_fns_are_compared_by_the_function_they_wrap():
         lambda: tf.distribute.get_replica_context().merge_call(lambda s: 3)) == 3
     with pytest.raises(ds.errors.MergeCallMismatchError, match=r"different merge_fns"):
       strategy.call_for_each_tower(tower_fn)
+
+
+# --- the bridge in a custom loop written for tf.distribute ---------------------------------
+
+
+def _tutorial_loop(strategy, mode):
+  """TensorFlow's custom training loop tutorial, as written for tf.distribute: run the
+  step with `strategy.run`, sum the per-replica losses with `strategy.reduce`."""
+  global_batch = 12
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(36, 3)).astype("float32"), rng.normal(size=(36, 1)).astype("float32")
+  data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+  with strategy.scope():
+    adapter = tf.distribute.get_strategy()
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.1)
+    loss_object = keras.losses.MeanSquaredError(reduction="none")
+
+    def train_step(inputs):
+      features, labels = inputs
+      with tf.GradientTape() as tape:
+        per_example = tf.reshape(loss_object(labels, model(features, training=True)), [-1])
+        loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+      grads = tape.gradient(loss, model.trainable_variables)
+      optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+      return loss
+
+    def distributed_step(inputs):
+      per_replica_losses = adapter.run(train_step, args=(inputs,))
+      return adapter.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    step = _in_mode(distributed_step, mode)
+    losses = [float(step(batch)) for batch in adapter.experimental_distribute_dataset(data)]
+  return losses, [np.asarray(w) for w in model.get_weights()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["mirrored2", "mirrored4"])
+def test_strategy_reduce_of_run_results_sums_the_towers_losses(name, mode):
+  # strategy.run returned the towers' losses concatenated (a vector of N values), so the
+  # tutorial's `strategy.reduce(SUM, ..., axis=None)` gave that vector, not the loss.
+  losses, weights = _tutorial_loop(STRATEGIES[name](), mode)
+  expected_losses, expected_weights = _tutorial_loop(STRATEGIES["default"](), mode)
+  np.testing.assert_allclose(losses, expected_losses, **TOL)
+  assert_all_close(weights, expected_weights)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["mirrored1", "mirrored2", "mirrored4"])
+def test_run_returns_per_replica_values_as_tf_distribute_does(name, mode):
+  strategy = STRATEGIES[name]()
+  towers = strategy.num_towers
+  x = tf.reshape(tf.range(10, dtype=tf.float32), [10, 1])  # Parts of 5 or 3, 3, 2, 2.
+
+  def tower_fn(batch):
+    replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
+    return {"sum": tf.reduce_sum(batch), "id": tf.cast(replica_id, tf.float32),
+            "rows": batch[:, 0]}
+
+  def run():
+    adapter = tf.distribute.get_strategy()
+    out = adapter.run(tower_fn, args=(x,))
+    local = adapter.experimental_local_results(out)
+    scalars = {k: out[k] for k in ("sum", "id")}
+    return (local, adapter.reduce("sum", scalars, axis=None),
+            adapter.reduce("mean", out["id"], axis=None),
+            adapter.reduce("sum", out["rows"], axis=0), adapter.reduce("mean", out["rows"], axis=0))
+
+  with strategy.scope():
+    local, total, mean_id, rows_sum, rows_mean = _in_mode(run, mode)()
+  parts = np.array_split(np.arange(10, dtype=np.float32), towers)
+  assert len(local) == towers
+  for i, (got, part) in enumerate(zip(local, parts, strict=True)):
+    np.testing.assert_allclose(got["sum"], part.sum())
+    np.testing.assert_allclose(got["id"], i)
+    np.testing.assert_allclose(got["rows"], part)
+  np.testing.assert_allclose(total["sum"], 45.0)
+  np.testing.assert_allclose(total["id"], towers * (towers - 1) / 2)
+  np.testing.assert_allclose(mean_id, (towers - 1) / 2)
+  np.testing.assert_allclose(rows_sum, 45.0)
+  np.testing.assert_allclose(rows_mean, 4.5)  # Over every example, not a mean of means.
+
+
+@pytest.mark.parametrize("name", ["mirrored2", "mirrored4"])
+def test_strategy_reduce_mean_along_an_axis_weighs_every_example(name):
+  # With towers of unequal sizes (or an empty one) the mean was the mean of the towers'
+  # means (nan for an empty tower), where tf.distribute averages over every example.
+  strategy = STRATEGIES[name]()
+  towers = strategy.num_towers
+
+  def tower_fn():
+    i = ds.get_tower_context().tower_id
+    return tf.range(i, dtype=tf.float32)  # Tower 0 has no example.
+
+  with strategy.scope():
+    adapter = tf.distribute.get_strategy()
+    per_tower = strategy.call_for_each_tower(tower_fn)
+    mean = adapter.reduce(tf.distribute.ReduceOp.MEAN, per_tower, axis=0)
+    total = adapter.reduce(tf.distribute.ReduceOp.SUM, per_tower, axis=0)
+  values = np.concatenate([np.arange(i, dtype=np.float32) for i in range(towers)])
+  np.testing.assert_allclose(mean, values.mean(), rtol=1e-6)
+  np.testing.assert_allclose(total, values.sum())

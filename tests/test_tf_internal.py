@@ -1195,3 +1195,27 @@ def test_saved_model_trace():
     inside = (_tf_internal.in_saved_model_trace(), _tf_internal.saved_model_trace_options())
   assert inside == (True, options) and not _tf_internal.in_saved_model_trace(), _broke(
       "saved_model_trace", repr(inside))
+
+
+def test_called_by_keras_trainer():
+  assert not _tf_internal.called_by_keras_trainer()  # Called from a test.
+  # The bridge asks from its `run`, which Keras's trainer calls for each predict step.
+  seen = []
+  strategy = ds.MirroredStrategy(CPUS[:1])
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+  adapter = model.distribute_strategy
+  original = adapter.run
+
+  def run(fn, args=(), kwargs=None, options=None):
+    seen.append(_tf_internal.called_by_keras_trainer())
+    return original(fn, args, kwargs, options)
+
+  adapter.run = run
+  try:
+    model.predict(np.zeros((2, 3), np.float32), verbose=0)
+  finally:
+    del adapter.run
+  assert seen and all(seen), _broke(
+      "called_by_keras_trainer", f"Keras {keras.__version__}: the caller of strategy.run in "
+      f"predict is not in Keras's TensorFlow trainer module ({seen!r})")

@@ -69,6 +69,11 @@ def entering_by_adapter():
   return getattr(_entering, "by_adapter", False)
 
 
+def _is_per_tower(value):
+  """Whether `value` holds one value per tower (a variable is one value)."""
+  return isinstance(value, _wrapped.DistributedValues) and not isinstance(value, tf.Variable)
+
+
 def _reduce_op_name(reduce_op):
   """"sum" or "mean" for a `tf.distribute.ReduceOp` or a string."""
   return str(getattr(reduce_op, "value", reduce_op)).lower()
@@ -350,9 +355,20 @@ class StrategyAdapter:
         f"{type(self._ds).__name__}.distribute_dataset() in a custom loop.")
 
   def experimental_local_results(self, value):
-    if isinstance(value, _wrapped.DistributedValues) and not isinstance(value, tf.Variable):
+    """This process's per-tower values of `value`, in tower order, as a tuple.
+
+    A per-tower value (what `run` returns) gives its components; a structure of them
+    gives one structure per tower, as tf.distribute's does; anything else `(value,)`.
+    """
+    if _is_per_tower(value):
       return tuple(value.values)
-    return (value,)
+    leaves = _wrapped.flatten(value) if _wrapped.is_structure(value) else []
+    if not any(_is_per_tower(leaf) for leaf in leaves):
+      return (value,)
+    return tuple(
+        _wrapped.pack_as(value, [leaf.values[i] if _is_per_tower(leaf) else leaf
+                                 for leaf in leaves])
+        for i in range(len(self._ds.worker_devices)))
 
   # --- the step ---
 
@@ -370,14 +386,19 @@ class StrategyAdapter:
     Returns:
       For a Keras model's `train_step`/`test_step`: its metrics, read in cross-tower
       context after every tower ran (each tower-local metric summed over towers). For
-      anything else: each output leaf concatenated over the towers, in tower order (the
-      order of the input batch), of every worker process.
+      Keras's predict step (called by Keras's trainer): each output leaf concatenated
+      over the towers, in tower order (the order of the input batch), of every worker
+      process. For anything else, as tf.distribute's `run`: the towers' results, a
+      `PerDevice` for each leaf that differs across towers (a plain value with one
+      tower), for `reduce` and `experimental_local_results`.
 
     Raises:
       RuntimeError: `fn` belongs to a Keras model whose variables were not created in
         this strategy's scope.
     """
     del options
+    # Keras combines the results itself, with code that knows only tf.distribute's values.
+    keras_trainer = _tf_internal.called_by_keras_trainer()
     _model_checks.check_step(self, fn)
     _training.route_step(self, fn)
     _training.bound_steps(self, getattr(fn, "__self__", None))
@@ -386,26 +407,51 @@ class StrategyAdapter:
       # Keras runs its steps without AutoGraph (as on one device): towers do the same.
       step = tf.autograph.experimental.do_not_convert(fn)
       outputs = self._ds.call_for_each_tower(step, *args, **kwargs)
-      return _training.combine_step_outputs(self._ds, fn, outputs)
+      if _training.is_train_or_test_step(fn) or keras_trainer:
+        return _training.combine_step_outputs(self._ds, fn, outputs)
+      return outputs
 
   # --- cross-replica reductions Keras may call ---
 
   def reduce(self, reduce_op, value, axis=None):
-    """Reduces per-tower values over the towers (and over `axis` of each, if given)."""
+    """Reduces per-tower values over the towers (and over `axis` of each, if given).
+
+    As tf.distribute's: with `axis`, a `"mean"` is over every element along it, of
+    every tower (towers of different sizes weigh by their sizes, an empty one adds
+    nothing). Per-tower values are reduced by the strategy (over every worker process,
+    under MultiWorkerMirroredStrategy); the result is on the first worker device. A
+    value that is not per-tower is one tower's value.
+    """
     op = _reduce_op_name(reduce_op)
+    leaves = _wrapped.flatten(value) if _wrapped.is_structure(value) else [value]
+    results = [self._reduce_one(op, leaf, axis) for leaf in leaves]
+    return _wrapped.pack_as(value, results) if _wrapped.is_structure(value) else results[0]
 
-    def one(v):
-      parts = list(v.values) if isinstance(v, _wrapped.DistributedValues) else [v]
-      if axis is not None:
-        reduce_axis = tf.reduce_sum if op == "sum" else tf.reduce_mean
-        parts = [reduce_axis(p, axis=axis) for p in parts]
-      with tf.device(self._ds.worker_devices[0]):
-        total = tf.add_n(parts)
-        return total / len(parts) if op == "mean" else total
-
-    if not _wrapped.is_structure(value):
-      return one(value)
-    return _wrapped.pack_as(value, [one(v) for v in _wrapped.flatten(value)])
+  def _reduce_one(self, op, value, axis):
+    first = self._ds.worker_devices[0]
+    if not _is_per_tower(value):
+      if axis is None:
+        return value
+      reduce_axis = tf.reduce_sum if op == "sum" else tf.reduce_mean
+      return reduce_axis(value, axis=axis)
+    devices = value.devices
+    parts = [tf.convert_to_tensor(p) for p in value.values]
+    if axis is None:
+      reduced = self._ds.reduce(op, _wrapped.PerDevice(dict(zip(devices, parts, strict=True))))
+      return reduced.get(first)
+    sums, counts = [], []
+    for device, part in zip(devices, parts, strict=True):
+      with tf.device(device):
+        sums.append(tf.reduce_sum(part, axis=axis))
+        counts.append(tf.cast(tf.reduce_prod(tf.gather(tf.shape(part), axis)), part.dtype))
+    pairs = [(_wrapped.PerDevice(dict(zip(devices, sums, strict=True))), None)]
+    if op == "mean":
+      pairs.append((_wrapped.PerDevice(dict(zip(devices, counts, strict=True))), None))
+    reduced = [r.get(first) for r in self._ds.batch_reduce("sum", pairs)]
+    if op == "sum":
+      return reduced[0]
+    with tf.device(first):
+      return reduced[0] / reduced[1]
 
   def gather(self, value, axis):
     return self._ds.gather(value, axis=axis)

@@ -5,6 +5,7 @@
   created under in `_distribution_strategy` (`keras_optimizer_strategy`).
 - A compiled model's per-output loss trackers live on its `_compile_loss`
   (`keras_output_loss_trackers`).
+- Whether Keras's trainer is the caller (`called_by_keras_trainer`).
 - The callbacks of the `fit` call running (`keras_fit_callbacks`), and the file paths a
   `BackupAndRestore` callback derives from its directory (`set_keras_backup_dir`,
   `restore_keras_backup_dir`).
@@ -152,6 +153,17 @@ def keras_fit_callbacks():
   if fit is None:
     return None
   return _local_of_caller_running(fit, "callbacks", _FIT_FRAMES_SEARCHED)
+
+
+def called_by_keras_trainer():
+  """Whether the function calling this was called by Keras 3's TensorFlow trainer.
+
+  Keras's trainer calls `strategy.run` for its train, test and predict steps, and then
+  combines the per-replica results with code of its own that knows only tf.distribute's
+  values; nothing it passes says it is the caller. The caller's caller's module says it.
+  """
+  frame = next(_frames_above(2, 1), None)
+  return frame is not None and frame.f_globals.get("__name__") == _KERAS_TF_TRAINER_MODULE
 
 
 _BACKUP_PATHS = ("_weights_path", "_training_metadata_path", "_prev_weights_path",
