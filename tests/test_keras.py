@@ -579,3 +579,41 @@ def test_strategy_reduce_mean_along_an_axis_weighs_every_example(name):
   values = np.concatenate([np.arange(i, dtype=np.float32) for i in range(towers)])
   np.testing.assert_allclose(mean, values.mean(), rtol=1e-6)
   np.testing.assert_allclose(total, values.sum())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_num_replicas_in_sync_is_the_tower_count_for_code_other_than_keras_losses(mode):
+  # In a tower given part of a batch (any `run` with a batch), num_replicas_in_sync was
+  # a TowerShare for every caller: tf.constant and tf.fill of it raised ValueError,
+  # tf.range gave floats, and an integer product (tf.nn.compute_average_loss without a
+  # global batch size) truncated B / n_i: 4.67 on a batch of 10 over 4 towers, which is
+  # neither tf.distribute's 5.0 nor one device's 4.5.
+  strategy = STRATEGIES["mirrored4"]()
+  batch = tf.range(10, dtype=tf.float32)  # Parts of 3, 3, 2, 2.
+
+  def tower_fn(part):
+    n = tf.distribute.get_strategy().num_replicas_in_sync
+    context_n = tf.distribute.get_replica_context().num_replicas_in_sync
+    return {"constant": tf.constant(n), "range": tf.range(n), "fill": tf.fill([n], 1),
+            "cast": tf.cast(n, tf.int32), "context": tf.constant(context_n),
+            "average": tf.nn.compute_average_loss(part),
+            "regularization": tf.nn.scale_regularization_loss(tf.constant(4.0))}
+
+  def run():
+    adapter = tf.distribute.get_strategy()
+    out = adapter.run(tower_fn, args=(batch,))
+    return (adapter.experimental_local_results(out),
+            adapter.reduce("sum", {k: out[k] for k in ("average", "regularization")},
+                           axis=None))
+
+  with strategy.scope():
+    local, total = _in_mode(run, mode)()
+  for tower in local:
+    for key in ("constant", "cast", "context"):
+      assert tower[key].dtype == tf.int32 and int(tower[key]) == 4, (key, tower[key])
+    assert tower["range"].dtype == tf.int32 and list(np.asarray(tower["range"])) == [0, 1, 2, 3]
+    assert list(np.asarray(tower["fill"])) == [1, 1, 1, 1]
+  parts = np.array_split(np.arange(10, dtype=np.float32), 4)
+  # As tf.distribute: each tower's mean over its part, divided by the number of towers.
+  np.testing.assert_allclose(total["average"], sum(p.mean() / 4 for p in parts), rtol=1e-6)
+  np.testing.assert_allclose(total["regularization"], 4.0, rtol=1e-6)

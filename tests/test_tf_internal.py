@@ -1219,3 +1219,28 @@ def test_called_by_keras_trainer():
   assert seen and all(seen), _broke(
       "called_by_keras_trainer", f"Keras {keras.__version__}: the caller of strategy.run in "
       f"predict is not in Keras's TensorFlow trainer module ({seen!r})")
+
+
+def test_called_by_keras_loss():
+  assert not _tf_internal.called_by_keras_loss()  # Called from a test.
+  # The bridge asks from `num_replicas_in_sync`, which Keras's loss scaling reads.
+  seen = []
+  strategy = ds.MirroredStrategy(CPUS[:2])
+  with strategy.scope():
+    adapter = tf.distribute.get_strategy()
+  adapter_type = type(adapter)
+  original = adapter_type.num_replicas_in_sync
+
+  def probe(self):
+    seen.append(_tf_internal.called_by_keras_loss())
+    return original.fget(self)
+
+  adapter_type.num_replicas_in_sync = property(probe)
+  try:
+    with strategy.scope():
+      keras.losses.MeanSquaredError()(tf.ones([2, 1]), tf.zeros([2, 1]))
+  finally:
+    adapter_type.num_replicas_in_sync = original
+  assert seen and all(seen), _broke(
+      "called_by_keras_loss", f"Keras {keras.__version__}: a Keras loss does not read "
+      f"num_replicas_in_sync from Keras's loss module ({seen!r})")

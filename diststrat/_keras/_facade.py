@@ -116,7 +116,7 @@ class ReplicaContextAdapter:
 
   @property
   def num_replicas_in_sync(self):
-    return self._adapter.num_replicas_in_sync
+    return self._adapter.diststrat_strategy.num_towers
 
   @property
   def replica_id_in_sync_group(self):
@@ -294,10 +294,17 @@ class StrategyAdapter:
 
   @property
   def num_replicas_in_sync(self):
-    """The tower count; in a tower given part of a batch, a `TowerShare` of it."""
+    """The tower count; for Keras's loss scaling in a tower given part of a batch, a
+    `TowerShare` of it.
+
+    Only Keras's loss module gets the `TowerShare` (it weighs the tower's loss by its
+    examples); any other code gets the tower count, an int, as from tf.distribute: a
+    `TowerShare` converts to the float B / n_i, which `tf.constant`, `tf.fill` refused,
+    `tf.range` made floats of and an integer product truncated.
+    """
     tower = _context.get_tower_context()
     if tower is not None and tower.distribution_strategy is self._ds and \
-        tower.batch_share is not None:
+        tower.batch_share is not None and _tf_internal.called_by_keras_loss():
       return _training.TowerShare(self._ds.num_towers, tower.batch_share)
     return self._ds.num_towers
 

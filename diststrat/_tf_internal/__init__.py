@@ -56,6 +56,7 @@ from diststrat._tf_internal._collectives import enable_cross_process_collectives
 from diststrat._tf_internal._collectives import function_runs_collectives as function_runs_collectives
 from diststrat._tf_internal._distribute_stack import tf_distribution_mode as tf_distribution_mode
 from diststrat._tf_internal._functions import call_flat as call_flat
+from diststrat._tf_internal._keras import called_by_keras_loss as called_by_keras_loss
 from diststrat._tf_internal._keras import called_by_keras_trainer as called_by_keras_trainer
 from diststrat._tf_internal._keras import keras_backing_variable as keras_backing_variable
 from diststrat._tf_internal._keras import keras_fit_callbacks as keras_fit_callbacks
@@ -127,7 +128,7 @@ __all__ = [
     "record_backward", "stop_recording", "should_record", "variable_accessed",
     "record_variable_read",
     # Keras
-    "called_by_keras_trainer", "keras_backing_variable", "keras_optimizer_strategy", "keras_seed_generators",
+    "called_by_keras_loss", "called_by_keras_trainer", "keras_backing_variable", "keras_optimizer_strategy", "keras_seed_generators",
     "keras_optimizer_step_count", "keras_in_stateless_scope",
     "keras_model_strategy",
     "keras_model_on_stack",

@@ -5,7 +5,8 @@
   created under in `_distribution_strategy` (`keras_optimizer_strategy`).
 - A compiled model's per-output loss trackers live on its `_compile_loss`
   (`keras_output_loss_trackers`).
-- Whether Keras's trainer is the caller (`called_by_keras_trainer`).
+- Whether Keras's trainer or loss module is the caller (`called_by_keras_trainer`,
+  `called_by_keras_loss`).
 - The callbacks of the `fit` call running (`keras_fit_callbacks`), and the file paths a
   `BackupAndRestore` callback derives from its directory (`set_keras_backup_dir`,
   `restore_keras_backup_dir`).
@@ -164,6 +165,21 @@ def called_by_keras_trainer():
   """
   frame = next(_frames_above(2, 1), None)
   return frame is not None and frame.f_globals.get("__name__") == _KERAS_TF_TRAINER_MODULE
+
+
+_KERAS_LOSS_MODULE = "keras.src.losses.loss"
+
+
+def called_by_keras_loss():
+  """Whether the function calling this was called by Keras 3's loss module.
+
+  Keras scales and unscales its losses for distribution there
+  (`scale_loss_for_distribution`, `unscale_loss_for_distribution`) by
+  `tf.distribute.get_strategy().num_replicas_in_sync`, which tells nothing of the caller;
+  the caller's caller's module says it.
+  """
+  frame = next(_frames_above(2, 1), None)
+  return frame is not None and frame.f_globals.get("__name__") == _KERAS_LOSS_MODULE
 
 
 _BACKUP_PATHS = ("_weights_path", "_training_metadata_path", "_prev_weights_path",
