@@ -435,6 +435,44 @@ def test_saved_models_serve_without_diststrat(tmp_path):
 # --- the bridge: what tf.distribute reports, its errors ------------------------------------
 
 
+_V1_OPTIMIZERS = {
+    "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.01),
+    "momentum": lambda: tf.compat.v1.train.MomentumOptimizer(0.01, 0.9),
+    "adam": lambda: tf.compat.v1.train.AdamOptimizer(0.01),
+}
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("name", sorted(_V1_OPTIMIZERS))
+def test_tf_compat_v1_optimizers_in_towers_train_like_one_device(name, traced):
+  """They reach the bridge for the loss reduction (AttributeError
+  '_scale_loss_for_estimator'), `update(..., group=False)` (iterated: None was not
+  iterable), `update_non_slot` and `group` (Adam's beta powers): all raised."""
+  x = np.array([[1.0, 3.0], [2.0, 1.0], [0.5, 4.0], [3.0, 3.0]], np.float32)
+
+  def train(s, batch):
+    with s.scope():
+      w = tf.Variable([1.0, 2.0])
+      opt = _V1_OPTIMIZERS[name]()
+
+    def tower(x):
+      opt.minimize(lambda: tf.reduce_sum(tf.square(tf.linalg.matvec(x, w) - 1.0)),
+                   var_list=[w])
+
+    step = lambda: s.call_for_each_tower(tower, batch)  # noqa: E731
+    step = tf.function(step) if traced else step
+    for _ in range(3):
+      step()
+    return w
+
+  expected = train(ds.get_distribution_strategy(), tf.constant(x)).numpy()
+  s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  w = train(s, ds.values.PerDevice({s.worker_devices[0]: tf.constant(x[:2]),
+                                    s.worker_devices[1]: tf.constant(x[2:])}))
+  for component in w.values:
+    np.testing.assert_allclose(component.numpy(), expected, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["mirrored2", "ps2"])
 def test_tf_distribute_reports_the_diststrat_context(name):
   strategy = STRATEGIES[name]()

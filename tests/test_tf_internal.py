@@ -1065,7 +1065,8 @@ def test_tensor_flow_internals_error():
 
 def test_protocols_and_protocol_names():
   from diststrat._keras import _facade  # pylint: disable=g-import-not-at-top
-  holders = [ds.values.MirroredVariable, ds.optimizers.Optimizer, _facade.ExtendedAdapter]
+  holders = [ds.values.MirroredVariable, ds.optimizers.Optimizer, _facade.ExtendedAdapter,
+             _facade.StrategyAdapter]
   # `_distributed_container` is set on each component (set_distributed_container).
   undefined = [name for name in _tf_internal.PROTOCOL_NAMES - {"_distributed_container"}
                if not any(name in vars(c) or any(name in vars(b) for b in c.__mro__

@@ -227,7 +227,23 @@ class ExtendedAdapter:
     kwargs = dict(kwargs or {})
     kwargs = _wrapped.pack_as(kwargs, [local(x) for x in _wrapped.flatten(kwargs)])
     result = self._ds.update(var, fn, *args, **kwargs)
-    return self._grouped(result) if group else result
+    return self._grouped(result) if group else self._ungrouped(result)
+
+  def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
+    """`strategy.update_non_slot(colocate_with, fn, *args)` (tf.compat.v1 optimizers
+    finish their step with it)."""
+    result = self._ds.update_non_slot(colocate_with, fn, *args, **(kwargs or {}))
+    return self._grouped(result) if group else self._ungrouped(result)
+
+  def _ungrouped(self, result):
+    """`update(..., group=False)`'s result, as tf.distribute gives it: each leaf as the
+    tuple of its per-device values (code iterates over it: tf.compat.v1 optimizers)."""
+    if result is None:
+      return ()
+    if not _wrapped.is_structure(result):
+      return tuple(self._ds.unwrap(result))
+    return _wrapped.pack_as(result, [tuple(self._ds.unwrap(leaf))
+                                     for leaf in _wrapped.flatten(result)])
 
   def _grouped(self, result):
     """`update(..., group=True)`'s result: one value per leaf, after every copy's update.
@@ -279,6 +295,10 @@ class StrategyAdapter:
     ...   adapter.diststrat_strategy is s, adapter.num_replicas_in_sync
     (True, 2)
   """
+
+  # TensorFlow's loss-reduction helper (tf.compat.v1 optimizers call it) reads it on the
+  # current strategy: no Estimator scaling, so losses are summed over towers as written.
+  _scale_loss_for_estimator = False
 
   def __init__(self, strategy):
     self._ds = strategy
@@ -360,6 +380,10 @@ class StrategyAdapter:
         "distribute_datasets_from_function: it splits global batches itself. Pass a "
         "tf.data.Dataset of global batches (or numpy arrays) to model.fit, or use "
         f"{type(self._ds).__name__}.distribute_dataset() in a custom loop.")
+
+  def group(self, value, name=None):
+    """One op that runs every part of `value` (None in eager mode)."""
+    return self._ds.group(value, name=name)
 
   def experimental_local_results(self, value):
     """This process's per-tower values of `value`, in tower order, as a tuple.

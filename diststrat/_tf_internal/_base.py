@@ -12,7 +12,8 @@ PROTOCOLS = {
     "SavedModel": ("_export_to_saved_model_graph", "_write_object_proto",
                    "_trackable_children"),
     "Keras optimizer slots": ("_distributed_container",),
-    "tf.distribute bridge": ("_use_merge_call", "_retrace_functions_for_each_device"),
+    "tf.distribute bridge": ("_use_merge_call", "_retrace_functions_for_each_device",
+                             "_scale_loss_for_estimator"),
 }
 """The private method names TensorFlow calls on diststrat's objects, by purpose.
 
