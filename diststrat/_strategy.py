@@ -120,13 +120,15 @@ def _updated_devices(where):
 
 def _as_saved(value):
   """`value`, with each tower-local variable in it taken as the shares its copies hold in
-  a SavedModel's one variable while the save traces (`TowerLocalVariable.saved_shares`):
+  a SavedModel's one variable while the save traces (`_variables.saved_shares`):
   a reduction or `unwrap` of one then adds up after loading as it did before."""
   if not _tf_internal.in_saved_model_trace():
     return value
 
   def view(leaf):
-    return leaf.saved_shares() if isinstance(leaf, _variables.TowerLocalVariable) else leaf
+    if isinstance(leaf, _variables.TowerLocalVariable):
+      return _variables.saved_shares(leaf)
+    return leaf
 
   if _wrapped.is_structure(value):
     return _wrapped.pack_as(value, [view(leaf) for leaf in _wrapped.flatten(value)])

@@ -722,12 +722,6 @@ class TowerLocalVariable(DistributedVariable):
       total = self.primary.value()
       return total if weight is None else total * tf.cast(weight, self.dtype)
 
-  def saved_shares(self):
-    """A `PerDevice` of `_saved_share` for every copy: what reductions, `unwrap` and
-    `gather` take as this variable's copies while a SavedModel traces, so that they
-    add up after loading as they did before."""
-    return _wrapped.PerDevice({d: self._saved_share(d) for d in self._index})
-
   def _merge_saved_tower_write(self, method, value, read_value):
     """A tower's write while a SavedModel traces: the towers' values are combined by the
     aggregation (as the copies' aggregate would change) and written once."""
@@ -847,6 +841,13 @@ class TowerLocalVariable(DistributedVariable):
     # The saved aggregate, split over the copies as a cross-tower assign splits it.
     return self._write_all("assign", tf.cast(value, self.dtype), read_value=False,
                            scale=self._split_scale("assign"))
+
+
+def saved_shares(variable: TowerLocalVariable) -> _wrapped.PerDevice:
+  """A `PerDevice` of what each copy of the tower-local `variable` holds of the aggregate
+  a SavedModel's one variable keeps: what reductions, `unwrap` and `gather` take as its
+  copies while a SavedModel traces, so that they add up after loading as before."""
+  return _wrapped.PerDevice({d: variable._saved_share(d) for d in variable.devices})
 
 
 # One registration covers every distributed variable: TensorFlow then reads the
