@@ -262,3 +262,20 @@ def test_partials_of_different_functions_raise_naming_them():
   assert isinstance(error, errors.MergeCallMismatchError)
   assert "towers [0, 2] passed partial(_first); towers [1, 3] passed partial(_second)." \
       in str(error)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_a_merge_result_missing_a_towers_device_names_merge_fn_and_the_fix(traced):
+  """It raised select_device's message, which told the user to pass a device to get()."""
+  s = ds.MirroredStrategy(CPUS[:2])
+
+  def tower():
+    return ds.get_tower_context().merge_call(
+        lambda _: ds.values.Mirrored({CPUS[0]: tf.constant(1.0)}))
+
+  step = lambda: s.call_for_each_tower(tower)  # noqa: E731
+  with pytest.raises(ValueError, match=r"merge_fn <lambda> returned a wrapped value with no "
+                     r"component on tower 1's device .*CPU:1, so merge_call cannot give "
+                     r"that tower its part. Return a value with a component on every "
+                     r"tower's device"):
+    tf.function(step)() if traced else step()

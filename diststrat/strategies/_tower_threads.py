@@ -300,7 +300,16 @@ class TowerRunner:
         if self.step_cache is not None:
           self.step_cache.invalidate_all()
     for tower in towers:
-      tower.merge_result = _wrapped.select_device(tower.device, result)
+      try:
+        tower.merge_result = _wrapped.select_device(tower.device, result)
+      except ValueError as e:  # A wrapped value with no component for this tower.
+        raise ValueError(
+            f"merge_fn {_describe_fn(first.merge_fn)} returned a wrapped value with no "
+            f"component on tower {tower.tower_id}'s device {tower.device}, so merge_call "
+            "cannot give that tower its part. Return a value with a component on every "
+            "tower's device (strategy.reduce(...) or strategy.broadcast(...) without "
+            "destinations), or a plain value (every tower gets it). "
+            f"({e})") from e
 
   def _check_same_merge_fn(self, towers):
     groups = []  # [(merge_fn, [tower ids])], by sameness
