@@ -435,6 +435,41 @@ def test_saved_models_serve_without_diststrat(tmp_path):
 # --- the bridge: what tf.distribute reports, its errors ------------------------------------
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("towers", [2, 4])
+def test_replica_context_all_gather_and_its_gradient_match_one_device(towers, traced):
+  """Contrastive losses gather every replica's embeddings: `all_gather` was missing
+  (AttributeError). 5 rows over the towers: unequal parts."""
+  x = np.arange(15, dtype=np.float32).reshape(5, 3) / 10
+  w0 = np.array([1.0, -2.0, 0.5], np.float32)
+  w = tf.Variable(w0)
+  with tf.GradientTape() as tape:
+    e = x * w
+    loss = tf.reduce_sum(tf.matmul(e, e, transpose_b=True))
+  expected = tape.gradient(loss, w).numpy()
+
+  s = ds.MirroredStrategy(["/cpu:%d" % i for i in range(towers)])
+  with s.scope():
+    v = tf.Variable(w0)
+  parts = ds.values.PerDevice({d: tf.constant(p) for d, p in zip(
+      s.worker_devices, np.array_split(x, towers), strict=True)})
+
+  def tower(x):
+    with tf.GradientTape() as tape:
+      e = x * v
+      gathered = tf.distribute.get_replica_context().all_gather(e, axis=0)
+      loss = tf.reduce_sum(tf.matmul(e, gathered, transpose_b=True))
+    return tape.gradient(loss, v), gathered
+
+  with s.scope():
+    step = lambda: s.call_for_each_tower(tower, parts)  # noqa: E731
+    grads, gathered = tf.function(step)() if traced else step()
+    total = s.reduce("sum", grads).primary.numpy()
+  np.testing.assert_allclose(total, expected, rtol=1e-5)
+  for component in gathered.values:
+    np.testing.assert_allclose(component.numpy(), x * w0, rtol=1e-6)
+
+
 _V1_OPTIMIZERS = {
     "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.01),
     "momentum": lambda: tf.compat.v1.train.MomentumOptimizer(0.01, 0.9),

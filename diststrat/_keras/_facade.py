@@ -159,6 +159,45 @@ class ReplicaContextAdapter:
 
     return _wrapped.pack_as(value, all_reduce(*flat))
 
+  def all_gather(self, value, axis, options=None):
+    """Every tower's `value` (a tensor or a structure of them) concatenated along `axis`
+    in tower order (of every worker process); every tower gets the result.
+
+    Differentiable for float tensors, as tf.distribute's: each tower's gradient is its
+    own rows of the towers' upstream gradients summed (every tower used every row).
+    """
+    del options
+    tower = self._tower
+    flat = _wrapped.flatten(value)
+
+    def gather_fn(strategy, *leaves):
+      return tuple(strategy.gather(leaf, axis=axis, destinations=strategy.worker_devices)
+                   for leaf in leaves)
+
+    if not all(isinstance(v, tf.Tensor) and v.dtype.is_floating and v.shape.rank
+               for v in flat):
+      return _wrapped.pack_as(value, tower.merge_call(gather_fn, *flat))
+
+    def sum_fn(strategy, *leaves):
+      return tuple(strategy.batch_reduce("sum", [(leaf, None) for leaf in leaves]))
+
+    @tf.custom_gradient
+    def all_gather(*leaves):
+      gathered = tower.merge_call(gather_fn, *leaves)
+      # Each tower's rows along `axis`, in tower order: where this tower's rows start.
+      sizes = tower.merge_call(gather_fn, *[tf.shape(leaf)[axis:axis + 1] for leaf in leaves])
+      starts = [tf.reduce_sum(size[:tower.tower_id]) for size in sizes]
+
+      def grad(*upstream):
+        totals = tower.merge_call(sum_fn, *upstream)
+        return tuple(
+            tf.gather(total, tf.range(start, start + tf.shape(leaf)[axis]), axis=axis)
+            for total, start, leaf in zip(totals, starts, leaves, strict=True))
+
+      return tuple(tf.identity(g) for g in gathered), grad
+
+    return _wrapped.pack_as(value, all_gather(*flat))
+
 
 class ExtendedAdapter:
   """The part of `tf.distribute.Strategy.extended` that Keras and TensorFlow use."""
