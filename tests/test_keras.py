@@ -470,6 +470,23 @@ def test_replica_context_all_gather_and_its_gradient_match_one_device(towers, tr
     np.testing.assert_allclose(component.numpy(), x * w0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("towers", [1, 2, 4])
+def test_experimental_distribute_values_from_function_gives_each_tower_its_value(towers):
+  """It was missing (AttributeError)."""
+  s = ds.MirroredStrategy(["/cpu:%d" % i for i in range(towers)])
+  with s.scope():
+    adapter = tf.distribute.get_strategy()
+    values = adapter.experimental_distribute_values_from_function(
+        lambda ctx: tf.fill([2], float(ctx.replica_id_in_sync_group * 10
+                                       + ctx.num_replicas_in_sync)))
+    results = adapter.experimental_local_results(adapter.run(lambda v: v + 1.0,
+                                                             args=(values,)))
+  assert [r.numpy().tolist() for r in results] == [[10.0 * i + towers + 1.0] * 2
+                                                   for i in range(towers)]
+  if towers > 1:
+    assert [c.device for c in values.values] == list(s.worker_devices)
+
+
 _V1_OPTIMIZERS = {
     "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.01),
     "momentum": lambda: tf.compat.v1.train.MomentumOptimizer(0.01, 0.9),

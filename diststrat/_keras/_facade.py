@@ -420,6 +420,19 @@ class StrategyAdapter:
         "tf.data.Dataset of global batches (or numpy arrays) to model.fit, or use "
         f"{type(self._ds).__name__}.distribute_dataset() in a custom loop.")
 
+  def experimental_distribute_values_from_function(self, value_fn):
+    """`value_fn(tf.distribute.experimental.ValueContext)` on each of this process's
+    towers (under its device), as a per-tower value for `run`: replica ids count every
+    tower of every worker process, as tf.distribute's do."""
+    first_tower, num_towers = self._ds._batch_split()
+    values = {}
+    for i, device in enumerate(self._ds.worker_devices):
+      context = tf.distribute.experimental.ValueContext(
+          replica_id_in_sync_group=first_tower + i, num_replicas_in_sync=num_towers)
+      with tf.device(device):
+        values[device] = value_fn(context)
+    return _wrapped.regroup(list(values.values()), tuple(values))
+
   def group(self, value, name=None):
     """One op that runs every part of `value` (None in eager mode)."""
     return self._ds.group(value, name=name)
