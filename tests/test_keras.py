@@ -485,6 +485,11 @@ def test_experimental_distribute_values_from_function_gives_each_tower_its_value
                                                    for i in range(towers)]
   if towers > 1:
     assert [c.device for c in values.values] == list(s.worker_devices)
+    with s.scope():
+      v = tf.Variable(1.0)
+    # A distributed variable's local results are its copies, as tf.distribute's (it gave
+    # the variable itself).
+    assert adapter.experimental_local_results(v) == tuple(v.values)
 
 
 _V1_OPTIMIZERS = {

@@ -440,10 +440,11 @@ class StrategyAdapter:
   def experimental_local_results(self, value):
     """This process's per-tower values of `value`, in tower order, as a tuple.
 
-    A per-tower value (what `run` returns) gives its components; a structure of them
-    gives one structure per tower, as tf.distribute's does; anything else `(value,)`.
+    A per-tower value (what `run` returns) or a distributed variable gives its
+    components; a structure of them gives one structure per tower, as tf.distribute's
+    does; anything else `(value,)`.
     """
-    if _is_per_tower(value):
+    if isinstance(value, _wrapped.DistributedValues):
       return tuple(value.values)
     leaves = _wrapped.flatten(value) if _wrapped.is_structure(value) else []
     if not any(_is_per_tower(leaf) for leaf in leaves):
