@@ -6,7 +6,13 @@ Wrong contexts and cluster faults are `RuntimeError` subclasses; bad arguments a
 mode: AutoGraph is told to let them through.
 """
 
+import functools
+from typing import Any, Callable, TypeVar
+
+from diststrat._tf import tf
 from diststrat import _tf_internal
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = [
     "ContextError",
@@ -62,3 +68,20 @@ def add_note(error, text):
     error.add_note(text)
   elif error.args and isinstance(error.args[0], str):
     error.args = (f"{error.args[0]}\n{text}",) + error.args[1:]
+
+
+def keeps_errors_in_tf_function(fn: _F) -> _F:
+  """Decorator for a public function or method of diststrat: AutoGraph does not convert
+  it, and every error leaving it reaches a `tf.function`'s caller as itself (same type,
+  message and notes), as in eager mode, instead of being rebuilt with "in user code:"
+  in front (or as a `StagingError`)."""
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except Exception as e:
+      _tf_internal.pass_through_autograph(e)
+      raise
+
+  return tf.autograph.experimental.do_not_convert(wrapper)  # type: ignore[return-value]

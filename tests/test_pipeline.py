@@ -779,3 +779,39 @@ def test_built_lazily_by_the_towers(mode, no_thread_leak):
   expected = _sequential(layers, x)
   for value in out.values:
     np.testing.assert_allclose(value, expected, **TOL)
+
+
+def test_stage_devices_that_do_not_exist_are_refused():
+  # Once: the layers were built on the CPU by soft placement, then refused as "built
+  # before, with variable ... on CPU:0" (a layer nobody had built).
+  pipe = GPipe([keras.layers.Dense(3), keras.layers.Dense(3)], devices=["/gpu:0", "/gpu:1"])
+  with pytest.raises(ValueError, match=r"devices must be devices that exist in this "
+                     r"process. Received: '.*GPU:0', '.*GPU:1', which TensorFlow does not "
+                     r"have; it has \['.*CPU:0'"):
+    pipe(tf.ones([4, 3]))
+  mirrored = ds.MirroredStrategy(TOWERS)
+  towers = GPipe([tf.nn.relu], devices={TOWERS[0]: ["/cpu:7"], TOWERS[1]: ["/cpu:8"]})
+  with mirrored.scope(), pytest.raises(ValueError, match=r"Received: '.*CPU:7', '.*CPU:8'"):
+    towers.build((4, 3))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_errors_keep_type_and_message_in_a_tf_function(mode):
+  # Once, inside tf.function: AutoGraph's StagingError for a layer error, and the
+  # other errors' messages prefixed with "in user code:" and a traceback.
+  def run(fn):
+    return tf.function(fn)() if mode == "function" else fn()
+
+  with pytest.raises(ValueError, match=r"^GPipe splits each batch"):
+    pipe = GPipe([tf.nn.relu, tf.nn.tanh], devices=CPUS[:2], num_micro_batches=4)
+    run(lambda: pipe(tf.ones([6, 3])))
+  pipe = GPipe([_built_dense(3, 5), tf.nn.relu], devices=CPUS[:1])
+  with pytest.raises(ValueError, match=r"^Each layer must accept the previous layer's "
+                     r"output, but layer 0") as raised:
+    run(lambda: pipe(tf.ones([2, FEATURES])))
+  assert type(raised.value).__name__ == "LayerError"
+  with pytest.raises(ValueError, match=r"^GPipe needs an input_shape"):
+    run(lambda: GPipe([tf.nn.relu], devices=CPUS[:1]).build(None))
+  with pytest.raises(ValueError, match=r"^estimate_costs\(\) needs an input_shape.*Received: "
+                     r"input_shape=None. Pass e.g. \(None, 784\)"):
+    estimate_costs([tf.nn.relu], None)

@@ -80,6 +80,20 @@ def accepts_training(fn):
       p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
+def check_input_shape(who, input_shape):
+  """`input_shape` as a tuple (None for unknown sizes), else `ValueError` with the fix."""
+  try:
+    shape = tf.TensorShape(input_shape)
+  except (TypeError, ValueError):
+    shape = None
+  if shape is None or shape.rank is None or shape.rank == 0:
+    raise ValueError(
+        f"{who} needs an input_shape: the shape of a whole batch, batch dimension first "
+        f"(which may be None). Received: input_shape={input_shape!r}. Pass e.g. "
+        "(None, 784) or x.shape.")
+  return tuple(shape.as_list())
+
+
 def estimate_costs(layers: Any, input_shape: Any, dtype: Any = "float32") -> list[float]:
   """Estimates each layer's cost in FLOPs for one input of `input_shape`.
 
@@ -107,6 +121,7 @@ def estimate_costs(layers: Any, input_shape: Any, dtype: Any = "float32") -> lis
     >>> estimate_costs([keras.layers.Dense(3), keras.layers.ReLU()], (2, 4))
     [54.0, 6.0]
   """
+  input_shape = check_input_shape("estimate_costs()", input_shape)
   costs = trace_layers(list(layers), input_shape, dtype).costs
   missing = [i for i, c in enumerate(costs) if c is None]
   if missing:

@@ -160,7 +160,7 @@ class GPipe(tf.Module):
 
   # --- building ---
 
-  @tf.autograph.experimental.do_not_convert
+  @errors.keeps_errors_in_tf_function
   def build(self, input_shape: Any, dtype: Any = "float32") -> None:
     """Partitions the layers and builds each stage's layers on its device.
 
@@ -173,7 +173,7 @@ class GPipe(tf.Module):
     """
     if self.built:
       return
-    input_shape = tuple(tf.TensorShape(input_shape).as_list())
+    input_shape = _cost.check_input_shape("GPipe", input_shape)
     tower = _context.get_tower_context()
     if _context.has_distribution_strategy() and tower is not None:
       # In a tower: build once, in cross-tower context, when every tower gets here.
@@ -187,6 +187,9 @@ class GPipe(tf.Module):
       return
     strategy = _context.get_distribution_strategy()
     columns = self._stage_device_columns(strategy)
+    # An op placed on a device that does not exist runs elsewhere (soft placement): the
+    # layers would be built on the CPU and then refused as "built elsewhere".
+    _devices.check_exist([d for column in columns for d in column], "devices")
     micro_shape = list(input_shape)
     if micro_shape and micro_shape[0] is not None:
       micro_shape[0] //= self._num_micro_batches
@@ -277,7 +280,7 @@ class GPipe(tf.Module):
 
   # --- running ---
 
-  @tf.autograph.experimental.do_not_convert
+  @errors.keeps_errors_in_tf_function
   def __call__(self, x, training=None):
     """Returns the layers applied in sequence to `x`, run as a pipeline.
 
