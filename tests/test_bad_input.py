@@ -235,3 +235,38 @@ def test_reduce_refuses_booleans_in_every_strategy(mode):
     _run(mode, lambda: default.reduce("sum", tf.constant(True)))
   counted = _run(mode, lambda: default.reduce("sum", tf.cast(tf.constant(True), tf.int32)))
   assert int(counted) == 1
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("ops", [
+    ds.cross_tower_ops.AllReduceCrossTowerOps("naive"),
+    ds.cross_tower_ops.AllReduceCrossTowerOps("hierarchical_copy"),
+    ds.cross_tower_ops.AllReduceCrossTowerOps("collective"),
+    ds.cross_tower_ops.ReductionToOneDevice()], ids=repr)
+def test_cross_tower_ops_check_their_arguments_in_both_modes(mode, ops):
+  # Once: TensorFlow's "Value passed to parameter 'inputs' has DataType bool not in list
+  # of allowed values" (strings: summed by concatenation with hierarchical_copy), and
+  # inside tf.function every argument error rebuilt by AutoGraph ("in user code:" and a
+  # traceback in front of the message).
+  from diststrat.values import PerDevice
+
+  def per_device(*values):
+    return PerDevice(dict(zip(CPUS, [tf.constant(v) for v in values], strict=False)))
+
+  with pytest.raises(TypeError, match=r"^reduce\(\) combines numbers across towers.*dtype "
+                     r"bool\). Booleans cannot be summed or averaged: cast them first"):
+    _run(mode, lambda: ops.reduce("sum", per_device(True, False)))
+  with pytest.raises(TypeError, match=r"^batch_reduce\(\) combines numbers.*dtype string"):
+    _run(mode, lambda: ops.batch_reduce("sum", [(per_device("a", "b"), None)]))
+  with pytest.raises(ValueError, match=r"^aggregation must be one of"):
+    _run(mode, lambda: ops.reduce("max", per_device(1.0, 2.0)))
+  with pytest.raises(ValueError, match=r"^reduce\(\) needs components of one shape"):
+    _run(mode, lambda: ops.reduce("sum", per_device([1.0], [1.0, 2.0])))
+  with pytest.raises(ValueError, match=r"^broadcast\(\) needs destinations"):
+    _run(mode, lambda: ops.broadcast(tf.constant(1.0), None))
+  with pytest.raises(ValueError, match=r"^destinations must be devices that exist"):
+    _run(mode, lambda: ops.reduce("sum", per_device(1.0, 2.0), "/gpu:0"))
+  total = _run(mode, lambda: ops.reduce("sum", per_device(1.0, 2.0)))
+  assert [float(v) for v in total.values] == [3.0, 3.0]
+  copies = _run(mode, lambda: ops.broadcast(tf.constant("text"), CPUS[:2]))
+  assert [bytes(v.numpy()) for v in copies.values] == [b"text", b"text"]

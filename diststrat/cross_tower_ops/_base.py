@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from diststrat._tf import tf
 from diststrat import _devices
 from diststrat import _arguments
+from diststrat.errors import keeps_errors_in_tf_function
 from diststrat._arguments import Aggregation
 from diststrat._arguments import as_tf_variable
 from diststrat._arguments import canonical_aggregation
@@ -95,6 +96,7 @@ class CrossTowerOps:
 
   # Shared behaviour:
 
+  @keeps_errors_in_tf_function
   def reduce(self, aggregation: Any, per_device_value: Any, destinations: Any = None) -> Any:
     """Reduces the components of `per_device_value` and mirrors the result.
 
@@ -122,10 +124,11 @@ class CrossTowerOps:
       [4.0]
     """
     aggregation = canonical_aggregation(aggregation)
-    value = _as_per_device(per_device_value, "reduce", destinations)
+    value = _reducible(_as_per_device(per_device_value, "reduce", destinations), "reduce")
     destinations = _wrapped.resolve_destinations(destinations, default=value.devices)
     return self._run("reduce", aggregation, [(value, destinations)])[0]
 
+  @keeps_errors_in_tf_function
   def batch_reduce(self, aggregation: Any,
                    value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
     """Like `reduce` on each `(value, destinations)` pair, all in one launch.
@@ -152,12 +155,13 @@ class CrossTowerOps:
     items = []
     for pair in _arguments.check_value_destination_pairs("batch_reduce",
                                                         value_destination_pairs):
-      value = _as_per_device(pair[0], "batch_reduce", pair[1])
+      value = _reducible(_as_per_device(pair[0], "batch_reduce", pair[1]), "batch_reduce")
       items.append((value, _wrapped.resolve_destinations(pair[1], default=value.devices)))
     if not items:
       return []
     return self._run("batch_reduce", aggregation, items)
 
+  @keeps_errors_in_tf_function
   def broadcast(self, tensor: Any, destinations: Any) -> Any:
     """Copies `tensor` to every destination device.
 
@@ -323,6 +327,11 @@ def _as_per_device(value, method, destinations):
     raise ValueError(f"{method}() needs components of one shape. Received: "
                      f"{ {d: v.shape for d, v in index.items()} }.")
   return _wrapped.PerDevice(index)
+
+
+def _reducible(value, method):
+  """`value` (a `PerDevice` of tensors) if its dtype can be summed, else `TypeError`."""
+  return _arguments.check_reducible(method, value, _wrapped.DistributedValues)
 
 
 def _home_device(value, destinations):
