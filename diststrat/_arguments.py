@@ -221,11 +221,12 @@ def _check_numeric(method, value, leaf):
   raise TypeError(
       f"{method}() combines numbers across towers: it takes per-tower values (what "
       "call_for_each_tower returns) of a float, integer or complex dtype, a numeric tensor "
-      f"or variable, or a structure of them. Received: {_short_repr(value)} "
+      f"or variable, or a structure of them. Received: {short_repr(value)} "
       f"({type(value).__name__}{', dtype ' + dtype_name if dtype_name else ''}). {fix}")
 
 
-def _short_repr(value, limit=80):
+def short_repr(value: Any, limit: int = 80) -> str:
+  """`repr(value)`, cut to `limit` characters."""
   text = repr(value)
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -250,14 +251,14 @@ def check_value_destination_pairs(method, value):
     raise ValueError(
         f"{method}() takes value_destination_pairs, a list of (value, destinations) pairs "
         f"such as [(per_tower, None)]. Received: value_destination_pairs="
-        f"{_short_repr(value)} ({type(value).__name__}). To reduce one value, call "
+        f"{short_repr(value)} ({type(value).__name__}). To reduce one value, call "
         "reduce(aggregation, value, destinations).")
   for i, pair in enumerate(pairs):
     if not isinstance(pair, (list, tuple)) or len(pair) != 2:
       raise ValueError(
           f"{method}() takes value_destination_pairs, a list of (value, destinations) "
           f"pairs such as [(per_tower, None)]. Received: value_destination_pairs[{i}]="
-          f"{_short_repr(pair)} ({type(pair).__name__}). Pair each value with its "
+          f"{short_repr(pair)} ({type(pair).__name__}). Pair each value with its "
           "destinations (None for the default).")
   return pairs
 
@@ -265,6 +266,8 @@ def check_value_destination_pairs(method, value):
 _VARIABLE_FIXES = {
     "update": ("To compute with a value, do it in the towers or in cross-tower code "
                "directly; update() is for writing a variable on each device that holds it."),
+    "apply_gradients": ("Create the step counter once, such as tf.Variable(0, "
+                        "dtype=tf.int64), in the strategy's scope, and pass it."),
     "read_var": ("A tensor is already a value: use it directly; read_var() is for reading "
                  "a variable (a tower-local one aggregated over the towers)."),
 }
@@ -283,9 +286,35 @@ def check_variable(method, value, name="var"):
   if not isinstance(variable, tf.Variable):
     raise TypeError(
         f"{method}() takes a variable as {name} (a tf.Variable, a Keras variable, or one "
-        f"created in the strategy's scope). Received: {name}={_short_repr(value)} "
+        f"created in the strategy's scope). Received: {name}={short_repr(value)} "
         f"({type(value).__name__}). {_VARIABLE_FIXES.get(method, '')}".rstrip())
   return variable
+
+
+def check_variable_list(method, var_list, required=False):
+  """`var_list` as a list of variables (None when not given and not `required`), else
+  `TypeError` naming the mistake: one variable instead of a list, or an item that is not
+  a variable."""
+  if var_list is None and not required:
+    return None
+  variable = as_tf_variable(var_list)
+  if isinstance(variable, tf.Variable):
+    raise TypeError(
+        f"{method}() takes var_list, a list of variables. Received: var_list=<variable "
+        f"{variable.name.split(':')[0]!r}>, one variable, not a list. Pass [variable].")
+  if isinstance(var_list, (str, bytes, tf.Tensor)) or not hasattr(var_list, "__iter__"):
+    raise TypeError(
+        f"{method}() takes var_list, a list of variables. Received: "
+        f"var_list={short_repr(var_list)} ({type(var_list).__name__}). Pass "
+        "e.g. model.trainable_variables.")
+  items = list(var_list)
+  for i, item in enumerate(items):
+    if not isinstance(as_tf_variable(item), tf.Variable):
+      raise TypeError(
+          f"{method}() takes var_list, a list of variables. Received: "
+          f"var_list[{i}]={short_repr(item)} ({type(item).__name__}). Pass "
+          "only variables (tf.Variable, Keras variables).")
+  return items
 
 
 def check_int(name, value, minimum=None):

@@ -433,3 +433,53 @@ def test_optimizer_checkpoint_four_towers_to_one(tmp_path, name, reader, build):
     status.assert_consumed()
   np.testing.assert_allclose(np.asarray(emb1.numpy()), emb.values[0].numpy(), rtol=2e-5, atol=2e-6)
   np.testing.assert_allclose(np.asarray(w1.numpy()), w.values[0].numpy(), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("towers", [0, 2])
+def test_mistaken_arguments_are_named_at_the_call(mode, towers):
+  # Once: a var_list given as one variable said "every gradient is None" (eager) and
+  # raised OperatorNotAllowedInGraphError (tf.function); a gradient of another shape or
+  # dtype than its variable failed in TensorFlow's ResourceApplyGradientDescent
+  # (InvalidArgumentError eager, ValueError/TypeError traced); a tensor global_step was
+  # refused by update(); build(None) raised "'NoneType' object is not iterable".
+  s = ds.MirroredStrategy(CPUS[:towers]) if towers else ds.get_distribution_strategy()
+  with s.scope():
+    v = tf.Variable([1.0, 2.0], name="weights")
+    opt = optimizers.GradientDescent(0.1)
+
+  def in_towers(fn):
+    def step():
+      with s.scope():
+        return s.call_for_each_tower(fn)
+    return tf.function(step)() if mode == "function" else step()
+
+  loss = lambda: tf.reduce_sum(v * v)  # noqa: E731
+  with pytest.raises(TypeError, match=r"^minimize\(\) takes var_list, a list of variables. "
+                     r"Received: var_list=<variable 'weights'>, one variable, not a list. Pass "
+                     r"\[variable\]"):
+    in_towers(lambda: opt.minimize(loss, var_list=v))
+  with pytest.raises(ValueError, match=r"^minimize\(\) got var_list=\[\], which names no "
+                     r"variable to train"):
+    in_towers(lambda: opt.minimize(loss, var_list=[]))
+  with pytest.raises(TypeError, match=r"^compute_gradients\(\) takes var_list, a list of "
+                     r"variables. Received: var_list\[1\]=<tf.Tensor.*\((Eager|Symbolic)Tensor\)"):
+    in_towers(lambda: opt.compute_gradients(loss, var_list=[v, tf.constant(1.0)]))
+  with pytest.raises(TypeError, match=r"^compute_gradients\(\) takes loss, a callable that "
+                     r"returns the loss .*Received: loss=None"):
+    in_towers(lambda: opt.compute_gradients(None, var_list=[v]))
+  with pytest.raises(ValueError, match=r"^apply_gradients\(\) got a gradient of shape \(3,\) "
+                     r"for variable 'weights.*' of shape \(2,\). Pair each gradient with "
+                     r"its own variable"):
+    in_towers(lambda: opt.apply_gradients([(tf.ones([3]), v)]))
+  with pytest.raises(TypeError, match=r"^apply_gradients\(\) got a gradient of dtype float64 "
+                     r"for variable 'weights.*' of dtype float32. Cast the gradient"):
+    in_towers(lambda: opt.apply_gradients([(tf.ones([2], tf.float64), v)]))
+  with pytest.raises(TypeError, match=r"^apply_gradients\(\) takes a variable as global_step"):
+    in_towers(lambda: opt.apply_gradients([(tf.ones([2]), v)], global_step=tf.constant(0)))
+  with pytest.raises(TypeError, match=r"^build\(\) takes var_list, a list of variables. "
+                     r"Received: var_list=None"):
+    optimizers.Adam().build(None)
+  in_towers(lambda: opt.apply_gradients([(tf.ones([2]), v)]))  # Still trains: the
+  step = 0.1 * max(towers, 1)  # towers' gradients are summed.
+  np.testing.assert_allclose(v.numpy(), [1.0 - step, 2.0 - step], rtol=1e-6)

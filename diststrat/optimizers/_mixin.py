@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import errors
+from diststrat.errors import keeps_errors_in_tf_function
 from diststrat.optimizers import _optimizer
 from diststrat.values import _wrapped
 
@@ -50,7 +51,7 @@ class DistributedOptimizerMixin(_MixinBase):
         _context.get_distribution_strategy().num_towers
     return 1.0 / num_towers
 
-  @tf.autograph.experimental.do_not_convert
+  @keeps_errors_in_tf_function
   def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
                       name: str | None = None) -> Any:
     """From a tower: merges the towers' gradients and applies them (see the class doc).
@@ -69,6 +70,8 @@ class DistributedOptimizerMixin(_MixinBase):
           f"{_context.get_distribution_strategy()!r}; it must be called from a tower "
           "(inside call_for_each_tower). In cross-tower context, call "
           "optimizer._distributed_apply(strategy, grads_and_vars) with per-tower gradients.")
+    self._check_pairs(grads_and_vars)  # In the tower, where the mistake was made.
+    _optimizer.check_global_step(global_step)
     return tower.merge_call(self._distributed_apply, grads_and_vars, global_step, name)
 
   @tf.autograph.experimental.do_not_convert

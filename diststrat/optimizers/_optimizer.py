@@ -6,8 +6,10 @@ import threading
 from typing import Any, Sequence
 
 from diststrat._tf import tf
+from diststrat import _arguments
 from diststrat import _context
 from diststrat._arguments import as_tf_variable
+from diststrat.errors import keeps_errors_in_tf_function
 from diststrat.values import _wrapped
 
 
@@ -25,6 +27,40 @@ def _local(value):
     if device is not None and device in value:
       return value.get(device)
   return value
+
+
+def check_global_step(global_step):
+  """Raises `TypeError` unless `global_step` is None or a variable."""
+  if global_step is not None:
+    _arguments.check_variable("apply_gradients", global_step, name="global_step")
+
+
+def _check_gradient(grad, var):
+  """Raises unless every component of `grad` has `var`'s dtype and a compatible shape:
+  TensorFlow's update ops would fail later, without naming the variable."""
+  components = grad.values if isinstance(grad, _wrapped.DistributedValues) else (grad,)
+  for component in components:
+    if isinstance(component, tf.IndexedSlices):
+      dtype, shape = component.values.dtype, None
+    elif isinstance(component, (tf.Tensor, tf.Variable)):
+      dtype, shape = component.dtype, component.shape
+    else:
+      continue  # A Python or numpy value: converted to the variable's dtype later.
+    name = var.name.split(":")[0]
+    if dtype.base_dtype != var.dtype.base_dtype:
+      raise TypeError(
+          f"apply_gradients() got a gradient of dtype {dtype.base_dtype.name} for variable "
+          f"{name!r} of dtype {var.dtype.base_dtype.name}. Cast the gradient to the "
+          "variable's dtype, or check that each gradient is paired with its own variable.")
+    if shape is not None and not shape.is_compatible_with(var.shape):
+      raise ValueError(
+          f"apply_gradients() got a gradient of shape {_shape(shape)} for variable {name!r} of shape {tuple(var.shape.as_list())}. Pair each "
+          "gradient with its own variable: zip(grads, variables) with both lists in the "
+          "same order.")
+
+
+def _shape(shape):
+  return tuple(shape.as_list()) if shape.rank is not None else "(unknown)"
 
 
 class _State:
@@ -110,7 +146,7 @@ class Optimizer(tf.Module):
   def _loss_scale(self):
     return 1.0
 
-  @tf.autograph.experimental.do_not_convert
+  @keeps_errors_in_tf_function
   def compute_gradients(self, loss: Any, var_list: Sequence[Any] | None = None,
                         tape: tf.GradientTape | None = None) -> list[tuple[Any, Any]]:
     """Returns a list of (gradient, variable) pairs, without the None gradients.
@@ -121,6 +157,12 @@ class Optimizer(tf.Module):
         loss read.
       tape: the `tf.GradientTape` that recorded a tensor `loss`.
     """
+    var_list = _arguments.check_variable_list("compute_gradients", var_list)
+    if not callable(loss) and not isinstance(loss, (tf.Tensor, tf.Variable)):
+      raise TypeError(
+          "compute_gradients() takes loss, a callable that returns the loss (or a loss "
+          "tensor computed under the tf.GradientTape passed as tape=). Received: "
+          f"loss={_arguments.short_repr(loss)} ({type(loss).__name__}).")
     scale = self._loss_scale()
     if callable(loss):
       with tf.GradientTape(watch_accessed_variables=var_list is None) as tape:
@@ -145,7 +187,7 @@ class Optimizer(tf.Module):
     # strict=False: as before for a var_list the caller gave as an iterator.
     return [(g, v) for g, v in zip(grads, var_list, strict=False) if g is not None]
 
-  @tf.autograph.experimental.do_not_convert
+  @keeps_errors_in_tf_function
   def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
                       name: str | None = None) -> Any:
     """Applies gradients to variables; increments `global_step` by one if given.
@@ -155,6 +197,7 @@ class Optimizer(tf.Module):
       every update runs whether or not its result is used).
     """
     pairs = self._check_pairs(grads_and_vars)
+    check_global_step(global_step)
     var_list = [v for _, v in pairs]
     self._create_state(var_list, _context.get_distribution_strategy())
     self._prepare()
@@ -165,7 +208,7 @@ class Optimizer(tf.Module):
         as_tf_variable(global_step).assign_add(tf.ones([], global_step.dtype))
     return global_step
 
-  @tf.autograph.experimental.do_not_convert
+  @keeps_errors_in_tf_function
   def build(self, var_list: Sequence[Any]) -> None:
     """Creates the optimizer's state (slots, non-slot variables) for `var_list` now.
 
@@ -173,13 +216,20 @@ class Optimizer(tf.Module):
     `tf.train.Checkpoint(...).restore(...).assert_consumed()` see every saved value.
     Call it where the variables were created (inside the strategy's scope).
     """
+    var_list = _arguments.check_variable_list("build", var_list, required=True)
     self._create_state([as_tf_variable(v) for v in var_list],
                        _context.get_distribution_strategy())
 
-  @tf.autograph.experimental.do_not_convert
+  @keeps_errors_in_tf_function
   def minimize(self, loss: Any, var_list: Sequence[Any] | None = None, global_step: Any = None,
                name: str | None = None, tape: tf.GradientTape | None = None) -> Any:
     """`compute_gradients` then `apply_gradients`; returns what `apply_gradients` returns."""
+    var_list = _arguments.check_variable_list("minimize", var_list)
+    if var_list is not None and not var_list:
+      raise ValueError(
+          "minimize() got var_list=[], which names no variable to train. Pass the "
+          "variables (such as model.trainable_variables, once the model is built), or leave "
+          "var_list out to train every trainable variable the loss reads.")
     grads_and_vars = self.compute_gradients(loss, var_list=var_list, tape=tape)
     return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
@@ -202,6 +252,7 @@ class Optimizer(tf.Module):
       if not isinstance(var, tf.Variable):
         raise ValueError(f"apply_gradients() needs variables; received {var!r} paired "
                          "with a gradient.")
+      _check_gradient(grad, var)
       pairs.append((grad, var))
     if not pairs:
       raise ValueError("apply_gradients() got no gradients: every gradient is None. Check "
