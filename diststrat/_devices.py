@@ -15,7 +15,8 @@ _LOCAL_DEFAULTS = tf.DeviceSpec(job="localhost", replica=0, task=0, device_type=
 
 
 @functools.lru_cache(maxsize=4096)
-def canonicalize(device: str | tf.DeviceSpec, default: str | None = None) -> str:
+def canonicalize(device: str | tf.DeviceSpec | tf.config.LogicalDevice,
+                 default: str | None = None) -> str:
   """Returns the full name of `device`: `/job:J/replica:R/task:T/device:TYPE:N`.
 
   Missing parts come from `default` (a device string), then from the local process
@@ -28,7 +29,7 @@ def canonicalize(device: str | tf.DeviceSpec, default: str | None = None) -> str
     '/job:localhost/replica:0/task:0/device:CPU:1'
 
   Args:
-    device: a device string or `tf.DeviceSpec`.
+    device: a device string, `tf.DeviceSpec` or `tf.config.LogicalDevice`.
     default: optional device string whose fields fill what `device` leaves out.
 
   Returns:
@@ -37,6 +38,8 @@ def canonicalize(device: str | tf.DeviceSpec, default: str | None = None) -> str
   Raises:
     ValueError: `device` is not a device string.
   """
+  if isinstance(device, tf.config.LogicalDevice):  # From tf.config.list_logical_devices().
+    device = device.name
   if isinstance(device, tf.DeviceSpec):
     spec = device
   elif isinstance(device, str):
@@ -73,8 +76,14 @@ def canonicalize_all(devices, default=None):
   Raises:
     ValueError: a device is not a device string, or appears twice.
   """
-  if isinstance(devices, (str, tf.DeviceSpec)):
+  if isinstance(devices, (str, tf.DeviceSpec, tf.config.LogicalDevice)):
     devices = (devices,)
+  if not hasattr(devices, "__iter__"):
+    count = (f" To use {devices} devices, pass diststrat.local_devices()[:{devices}]."
+             if isinstance(devices, int) and not isinstance(devices, bool) else "")
+    raise ValueError(f"devices must be a list of device strings, such as ['/gpu:0', "
+                     f"'/gpu:1']. Received: devices={devices!r} "
+                     f"({type(devices).__name__}).{count}")
   result = tuple(canonicalize(d, default) for d in devices)
   if len(set(result)) != len(result):
     raise ValueError(f"Each device may appear once. Received: devices={list(devices)!r}")

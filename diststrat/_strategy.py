@@ -155,6 +155,7 @@ def _check_gather_axis(axis, components):
   if not ranks or any(r is None for r in ranks):
     return
   rank = max(max(ranks), 1)  # Scalars become a vector.
+  shapes = [tf.TensorShape(getattr(c, "shape", ())) for c in components]
   if not -rank <= axis < rank:
     shapes = ", ".join(str(tf.TensorShape(getattr(c, "shape", ()))) for c in components[:4])
     raise ValueError(
@@ -162,6 +163,27 @@ def _check_gather_axis(axis, components):
         f"{max(ranks)} (shapes {shapes}{', ...' if len(components) > 4 else ''}): axis "
         f"must be from {-rank} to {rank - 1}. Received: axis={axis}. Pass an axis the "
         "values have (axis=0 concatenates the towers' batches).")
+  if max(ranks) == 0:
+    return  # Scalars are stacked.
+  other = [s[:axis % rank].concatenate(s[axis % rank + 1:]) if s.rank == rank else None
+           for s in shapes]
+  if any(o is None or not o.is_compatible_with(other[0]) for o in other):
+    raise ValueError(
+        f"gather() concatenates the towers' values along axis {axis}, so their other "
+        f"dimensions must agree. Received: shapes "
+        f"{', '.join(str(tuple(s.as_list())) for s in shapes[:4])}"
+        f"{', ...' if len(shapes) > 4 else ''}. Make every tower return values of one "
+        "shape but along axis, or gather along "
+        f"{_differing_axis(shapes, rank) or 'the axis where they differ'}.")
+
+
+def _differing_axis(shapes, rank):
+  """`axis=i` when the shapes (of one rank) differ along exactly one axis i, else None."""
+  if any(s.rank != rank for s in shapes):
+    return None
+  differ = [i for i in range(rank)
+            if len({s[i] for s in shapes if s[i] is not None}) > 1]
+  return f"axis={differ[0]}" if len(differ) == 1 else None
 
 
 class DistributionStrategy:
@@ -324,18 +346,23 @@ class DistributionStrategy:
     _arguments.check_callable("update_non_slot", "fn", fn)
     return self._update_non_slot(colocate_with, fn, args, kwargs)
 
+  @errors.keeps_errors_in_tf_function
   def non_slot_devices(self, var_list: Sequence[Any]) -> Any:
     """A consistent choice of devices for variables that belong to no one variable."""
-    var_list = [as_tf_variable(v) for v in var_list]
+    var_list = [as_tf_variable(v) for v in
+                _arguments.check_variable_list("non_slot_devices", var_list, required=True)]
     if not var_list:
       raise ValueError("non_slot_devices() needs at least one variable. Received: var_list=[]")
     return self._non_slot_devices(var_list)
 
+  @errors.keeps_errors_in_tf_function
   def colocate_vars_with(self, var: Any) -> contextlib.AbstractContextManager:
     """Context manager: variables created inside it live where `var` lives.
 
     Must be used inside `scope()`.
     """
+    if var is None:  # Would be ignored: the variables would go where they always go.
+      _arguments.check_variable("colocate_vars_with", var)
     if _context.get_distribution_strategy() is not self and not self._is_default():
       raise errors.ContextError(
           f"colocate_vars_with() of {self!r} must be used inside its scope(), but the "

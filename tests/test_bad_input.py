@@ -270,3 +270,67 @@ def test_cross_tower_ops_check_their_arguments_in_both_modes(mode, ops):
   assert [float(v) for v in total.values] == [3.0, 3.0]
   copies = _run(mode, lambda: ops.broadcast(tf.constant("text"), CPUS[:2]))
   assert [bytes(v.numpy()) for v in copies.values] == [b"text", b"text"]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mirrored", [True, False])
+def test_non_slot_devices_and_colocate_vars_with_need_variables(mode, mirrored):
+  # Once: non_slot_devices(None) raised "'NoneType' object is not iterable", one variable
+  # "Cannot iterate over a scalar tensor" (OperatorNotAllowedInGraphError traced), a
+  # tensor item AttributeError "Tensor.name is undefined" (default strategy), and traced
+  # every message came prefixed with "in user code:"; colocate_vars_with(None) was
+  # ignored without a word.
+  s = ds.MirroredStrategy(CPUS[:2]) if mirrored else ds.get_distribution_strategy()
+  with s.scope():
+    v = tf.Variable(1.0, name="w")
+    with pytest.raises(TypeError, match=r"^non_slot_devices\(\) takes var_list, a list of "
+                       r"variables. Received: var_list=<variable 'w'>, one variable, not a "
+                       r"list. Pass \[variable\]"):
+      _run(mode, lambda: s.non_slot_devices(v))
+    with pytest.raises(TypeError, match=r"^non_slot_devices\(\) takes var_list, a list of "
+                       r"variables. Received: var_list=None \(NoneType\)"):
+      _run(mode, lambda: s.non_slot_devices(None))
+    with pytest.raises(TypeError, match=r"^non_slot_devices\(\) .*Received: var_list\[0\]="
+                       r"<tf.Tensor"):
+      _run(mode, lambda: s.non_slot_devices([tf.constant(1.0)]))
+    with pytest.raises(ValueError, match=r"^non_slot_devices\(\) needs at least one variable"):
+      _run(mode, lambda: s.non_slot_devices([]))
+    with pytest.raises(TypeError, match=r"^colocate_vars_with\(\) takes a variable as var .*"
+                       r"Received: var=None \(NoneType\)"):
+      s.colocate_vars_with(None)
+    assert s.non_slot_devices([v]) is not None
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_gather_refuses_values_whose_other_dimensions_differ(mode):
+  # Once: TensorFlow's InvalidArgumentError from ConcatV2 eagerly, a ValueError about
+  # "Dimension 0 in both shapes" traced (the dimension of a shape of the axis tensor).
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    per_tower = s.call_for_each_tower(
+        lambda: tf.ones([2, 3 + ds.get_tower_context().tower_id]))
+    with pytest.raises(ValueError, match=r"^gather\(\) concatenates the towers' values along "
+                       r"axis 0, so their other dimensions must agree. Received: shapes "
+                       r"\(2, 3\), \(2, 4\). Make every tower return values of one shape "
+                       r"but along axis, or gather along axis=1"):
+      _run(mode, lambda: s.gather(per_tower, axis=0))
+    assert _run(mode, lambda: s.gather(per_tower, axis=1)).shape == (2, 7)
+    ragged = s.call_for_each_tower(lambda: tf.ones([1 + ds.get_tower_context().tower_id, 3]))
+    assert _run(mode, lambda: s.gather(ragged)).shape == (3, 3)
+    with pytest.raises(ValueError, match=r"other dimensions must agree. Received: shapes "
+                       r"\(1, 3\), \(2,\)"):
+      _run(mode, lambda: s.gather(s.call_for_each_tower(
+          lambda: tf.ones([1, 3]) if ds.get_tower_context().tower_id == 0 else tf.ones([2]))))
+
+
+def test_strategies_take_logical_devices_and_explain_a_count():
+  # Once: MirroredStrategy(2) raised "'int' object is not iterable", and the devices of
+  # tf.config.list_logical_devices() (which tf.distribute.MirroredStrategy takes) were
+  # refused as not device strings.
+  with pytest.raises(ValueError, match=r"devices must be a list of device strings, such as "
+                     r"\['/gpu:0', '/gpu:1'\]. Received: devices=2 \(int\). To use 2 "
+                     r"devices, pass diststrat.local_devices\(\)\[:2\]."):
+    ds.MirroredStrategy(2)
+  logical = tf.config.list_logical_devices("CPU")[:2]
+  assert ds.MirroredStrategy(logical).worker_devices == tuple(CPUS[:2])
+  assert ds.canonicalize_device(logical[1]) == CPUS[1]
