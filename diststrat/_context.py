@@ -294,7 +294,7 @@ class TowerContext:
       return _devices.current_device()
     return self._device
 
-  @tf.autograph.experimental.do_not_convert
+  @errors.keeps_errors_in_tf_function
   def merge_call(self, merge_fn: typing.Callable[..., typing.Any], *args: typing.Any,
                  **kwargs: typing.Any) -> typing.Any:
     """Runs `merge_fn(strategy, *args, **kwargs)` once, in cross-tower context.

@@ -279,3 +279,28 @@ def test_a_merge_result_missing_a_towers_device_names_merge_fn_and_the_fix(trace
                      r"that tower its part. Return a value with a component on every "
                      r"tower's device"):
     tf.function(step)() if traced else step()
+def test_an_optimizer_made_in_each_tower_is_named_as_the_cause():
+  # Once: "towers [0] passed _distributed_apply; towers [1] passed _distributed_apply",
+  # two groups with one name and no hint why they differ.
+  strategy = ds.MirroredStrategy(CPUS[:2])
+  with strategy.scope():
+    v = tf.Variable(1.0)
+
+  def fn():
+    opt = ds.optimizers.GradientDescent(0.1)  # A new optimizer in every tower.
+    return opt.apply_gradients([(tf.constant(1.0), v)])
+
+  error = _same_in_both_modes(strategy, fn)
+  assert isinstance(error, errors.MergeCallMismatchError)
+  assert ("towers [0] passed GradientDescent._distributed_apply of one object; towers [1] "
+          "passed it of another object. Each tower made its own object (such as an "
+          "optimizer created inside the tower function): create it once, before "
+          "call_for_each_tower, and use it in every tower.") in str(error), str(error)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_merge_call_of_the_default_tower_context_keeps_its_error(mode):
+  # Once traced: "in user code:" and a traceback in front of the message.
+  fn = lambda: ds.get_tower_context().merge_call(None)  # noqa: E731
+  with pytest.raises(TypeError, match=r"^merge_call\(\) takes a callable as merge_fn"):
+    tf.function(fn)() if mode == "function" else fn()

@@ -320,6 +320,17 @@ class TowerRunner:
           break
       else:
         groups.append((tower.merge_fn, [tower.tower_id]))
+    if len(groups) > 1 and _methods_of_different_objects([fn for fn, _ in groups]):
+      first = groups[0][0]
+      name = f"{type(first.__self__).__name__}.{_describe_fn(first)}"
+      described = "; ".join(
+          f"towers {ids} passed {name if i == 0 else 'it'} of {'one' if i == 0 else 'another'}"
+          " object" for i, (_, ids) in enumerate(groups))
+      raise errors.MergeCallMismatchError(
+          f"Towers passed different merge_fns to one merge_call() in {self.strategy!r}: "
+          f"{described}. Each tower made its own object (such as an optimizer created "
+          "inside the tower function): create it once, before call_for_each_tower, and "
+          "use it in every tower.")
     if len(groups) > 1:
       described = "; ".join(f"towers {ids} passed {_describe_fn(fn)}" for fn, ids in groups)
       raise errors.MergeCallMismatchError(
@@ -331,6 +342,13 @@ class TowerRunner:
     for tower in towers:
       tower.aborted = True
       tower.go.set()
+
+
+def _methods_of_different_objects(fns):
+  """Whether `fns` are the same method bound to different objects."""
+  if not all(inspect.ismethod(fn) for fn in fns):
+    return False
+  return len({getattr(fn.__func__, "__code__", None) for fn in fns}) == 1
 
 
 def _describe_fn(fn):
