@@ -493,6 +493,37 @@ def _shape_mismatch_fn(strategy):
     tf.Variable(tf.zeros([4]), name="w")
 
 
+def _saved_training_step_fn(strategy, path):
+  """Saves a training step of 2 towers (shared variables, a SUM variable, a metric, a
+  Momentum optimizer), then runs it; returns what it computed."""
+  with strategy.scope():
+    m = tf.Module()
+    m.w = tf.Variable([[1.0], [2.0]], name="w")
+    m.count = tf.Variable(0.0, aggregation=tf.VariableAggregation.SUM, name="count")
+    m.seen = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
+                         aggregation=tf.VariableAggregation.SUM, name="seen")
+    m.opt = ds.optimizers.Momentum(0.1, 0.9)
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 2]), tf.TensorSpec([None, 1])])
+  def train(x, y):
+    def tower(x, y):
+      m.opt.minimize(lambda: tf.reduce_sum(tf.square(x @ m.w - y)), var_list=[m.w])
+      m.count.assign_add(1.0)
+      m.seen.assign_add(tf.reduce_sum(y))
+    strategy.call_for_each_tower(tower, x, y)
+    return tf.identity(m.w), tf.identity(m.count), tf.identity(m.seen)
+
+  m.train = train
+  tf.saved_model.save(m, path)
+  x, y = _saved_step_data()
+  return [[t.numpy().tolist() for t in train(x, y)] for _ in range(2)]
+
+
+def _saved_step_data():
+  return (np.array([[1.0, 2.0], [3.0, 4.0]], np.float32),
+          np.array([[1.0], [2.0]], np.float32))
+
+
 # --- tests -----------------------------------------------------------------------------
 
 
@@ -997,3 +1028,21 @@ def test_reads_are_cached_per_step_with_the_same_training():
         for a, b in zip(got, expected, strict=True):
           np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
                                      err_msg=f"{case.__name__} {mode} cached={cached}")
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_a_saved_training_step_loads_and_trains_in_a_process_outside_the_cluster(tmp_path):
+  """The save's trace hard-coded the cluster's devices (/job:ps, /job:worker): loading
+  in another process failed with "Cannot assign a device ... /job:ps/replica:0/task:0"."""
+  path = str(tmp_path / "saved")
+  with LocalCluster(1, 1, cpus_per_worker=2, start_timeout=60, result_timeout=100,
+                    strategy_kwargs={"worker_devices": ["/cpu:0", "/cpu:1"]}) as cluster:
+    [live] = cluster.run_on_workers(_saved_training_step_fn, path=path)
+  loaded = tf.saved_model.load(path)  # This process: no cluster, no strategy.
+  x, y = _saved_step_data()
+  got = [[t.numpy().tolist() for t in loaded.train(x, y)] for _ in range(2)]
+  for a, b in zip(got, live, strict=True):
+    for u, v in zip(a, b, strict=True):
+      np.testing.assert_allclose(u, v, rtol=1e-6)
+  assert live[1][1:] == [4.0, 12.0]  # 2 towers: count and seen added per tower.

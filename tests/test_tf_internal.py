@@ -1198,6 +1198,29 @@ def test_saved_model_trace():
       "saved_model_trace", repr(inside))
 
 
+def test_install_saved_model_device_rule(tmp_path):
+  _tf_internal.install_saved_model_device_rule()
+  _tf_internal.install_saved_model_device_rule()  # Twice: a no-op.
+  module = tf.Module()
+  module.v = tf.Variable(1.0)
+
+  @tf.function(input_signature=[])
+  def f():
+    with tf.device("/job:ps/replica:0/task:0/device:CPU:0"):
+      total = module.v + 1.0
+    with tf.device(CPUS[1]):
+      return total * 2.0
+
+  module.f = f
+  # Traced outside the save (not run: this process has no /job:ps), it keeps them.
+  assert any("/job:ps" in op.device
+             for op in f.get_concrete_function().graph.get_operations())
+  tf.saved_model.save(module, str(tmp_path / "saved"))
+  loaded = tf.saved_model.load(str(tmp_path / "saved"))  # No /job:ps here.
+  assert float(loaded.f()) == 4.0, _broke("install_saved_model_device_rule",
+                                          "the saved function kept /job:ps")
+
+
 def test_called_by_keras_trainer():
   assert not _tf_internal.called_by_keras_trainer()  # Called from a test.
   # The bridge asks from its `run`, which Keras's trainer calls for each predict step.

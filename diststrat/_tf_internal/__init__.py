@@ -94,6 +94,7 @@ from diststrat._tf_internal._variables import distributed_container as distribut
 from diststrat._tf_internal._variables import export_to_saved_model_graph as export_to_saved_model_graph
 from diststrat._tf_internal._variables import in_graph_mode as in_graph_mode
 from diststrat._tf_internal._variables import in_saved_model_trace as in_saved_model_trace
+from diststrat._tf_internal._variables import install_saved_model_device_rule as install_saved_model_device_rule
 from diststrat._tf_internal._variables import saved_model_trace as saved_model_trace
 from diststrat._tf_internal._variables import saved_model_trace_options as saved_model_trace_options
 from diststrat._tf_internal._variables import set_distributed_container as set_distributed_container
@@ -124,6 +125,7 @@ __all__ = [
     "export_to_saved_model_graph", "write_object_proto", "set_distributed_container",
     "distributed_container", "deferred_checkpoint_value", "strided_slice_assign",
     "in_saved_model_trace", "saved_model_trace_options", "saved_model_trace",
+    "install_saved_model_device_rule",
     # tapes
     "record_backward", "stop_recording", "should_record", "variable_accessed",
     "record_variable_read",

@@ -26,9 +26,11 @@
 import functools
 
 from tensorflow.python.checkpoint import tensor_callable as _tensor_callable  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.framework import ops as _ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.saved_model import save_context as _save_context  # pylint: disable=g-direct-tensorflow-import
 
+from diststrat._tf import tf
 from diststrat._tf_internal import _base
 
 # pylint: disable=protected-access
@@ -158,6 +160,41 @@ def saved_model_trace(options):
   """Context manager: this thread traces for a save with `options` too (a tower thread
   of a function the save traces); the save context is per thread."""
   return _save_context.save_context(options)
+
+
+def install_saved_model_device_rule():
+  """Makes the functions `tf.saved_model.save` traces name no task of a cluster.
+
+  TensorFlow hard-codes an op's device in a saved function, and a loader that has no
+  such job fails ("was explicitly assigned to /job:ps/replica:0/task:0/device:CPU:0 but
+  available devices are [ /job:localhost/... ]"). In a cluster process every tower, PS
+  variable and reduction has such a device. Once installed, an op created while this
+  thread traces for a save (`in_saved_model_trace`) whose device names a job other than
+  `localhost` keeps only its device type and index (`/device:CPU:0`), which a loader
+  places on its own devices. Installing twice is a no-op.
+
+  Raises:
+    TensorFlowInternalsError: TensorFlow's graphs no longer apply device scopes there.
+  """
+  original = getattr(_ops.Graph, "_apply_device_functions", None)
+  if getattr(original, "diststrat_saved_model_device_rule", False):
+    return
+  if not callable(original):
+    raise _base.missing("tf.Graph._apply_device_functions",
+                        "it is missing, so a SavedModel saved in a cluster process would "
+                        "name the cluster's tasks and load nowhere else")
+
+  @functools.wraps(original)
+  def apply_device_functions(graph, op):
+    original(graph, op)
+    if _save_context.in_save_context() and "/job:" in op.device:
+      spec = tf.DeviceSpec.from_string(op.device)
+      if spec.job not in (None, "localhost"):
+        op._set_device_from_string(
+            spec.replace(job=None, replica=None, task=None).to_string())
+
+  apply_device_functions.diststrat_saved_model_device_rule = True
+  _ops.Graph._apply_device_functions = apply_device_functions
 
 
 def set_distributed_container(component, container):

@@ -79,6 +79,8 @@ class WorkerGroup:
                                      known_fault=self._known_fault)
     _tf_internal.install_error_translator(_watchdog.translate_error)
     _tf_internal.set_call_tracker(self.watchdog)
+    # A SavedModel saved here must load where these tasks do not exist.
+    _tf_internal.install_saved_model_device_rule()
     self.watchdog.start()
 
   def _known_fault(self, error):

@@ -51,6 +51,8 @@ class ClusterConnection:
     # TensorFlow's waits for pending eager work (checkpoint saves) are bounded too.
     _tf_internal.install_error_translator(_watchdog.translate_error)
     _tf_internal.install_sync_hook(self.guard.wait_for)
+    # A SavedModel saved here must load where these tasks do not exist.
+    _tf_internal.install_saved_model_device_rule()
     self.connect()
 
   def connect(self):
