@@ -436,16 +436,18 @@ def test_saved_models_serve_without_diststrat(tmp_path):
 
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
-@pytest.mark.parametrize("towers", [2, 4])
-def test_replica_context_all_gather_and_its_gradient_match_one_device(towers, traced):
+@pytest.mark.parametrize("towers,axis", [(2, 0), (4, 0), (4, 1), (4, -1)])
+def test_replica_context_all_gather_and_its_gradient_match_one_device(towers, axis, traced):
   """Contrastive losses gather every replica's embeddings: `all_gather` was missing
-  (AttributeError). 5 rows over the towers: unequal parts."""
+  (AttributeError). 5 rows (or columns) over the towers: unequal parts. An integer
+  value gathered alongside keeps the float one's gradient."""
   x = np.arange(15, dtype=np.float32).reshape(5, 3) / 10
   w0 = np.array([1.0, -2.0, 0.5], np.float32)
+  rows = axis == 0
   w = tf.Variable(w0)
   with tf.GradientTape() as tape:
-    e = x * w
-    loss = tf.reduce_sum(tf.matmul(e, e, transpose_b=True))
+    e = x * w if rows else tf.transpose(x * w)
+    loss = tf.reduce_sum(tf.matmul(e, e, transpose_a=not rows, transpose_b=rows))
   expected = tape.gradient(loss, w).numpy()
 
   s = ds.MirroredStrategy(["/cpu:%d" % i for i in range(towers)])
@@ -456,9 +458,12 @@ def test_replica_context_all_gather_and_its_gradient_match_one_device(towers, tr
 
   def tower(x):
     with tf.GradientTape() as tape:
-      e = x * v
-      gathered = tf.distribute.get_replica_context().all_gather(e, axis=0)
-      loss = tf.reduce_sum(tf.matmul(e, gathered, transpose_b=True))
+      e = x * v if rows else tf.transpose(x * v)
+      ids = tf.ones(tf.shape(e), tf.int32)
+      gathered = tf.distribute.get_replica_context().all_gather(
+          {"e": e, "ids": ids}, axis=axis)
+      loss = tf.reduce_sum(tf.matmul(e, gathered["e"], transpose_a=not rows,
+                                     transpose_b=rows))
     return tape.gradient(loss, v), gathered
 
   with s.scope():
@@ -466,8 +471,10 @@ def test_replica_context_all_gather_and_its_gradient_match_one_device(towers, tr
     grads, gathered = tf.function(step)() if traced else step()
     total = s.reduce("sum", grads).primary.numpy()
   np.testing.assert_allclose(total, expected, rtol=1e-5)
-  for component in gathered.values:
-    np.testing.assert_allclose(component.numpy(), x * w0, rtol=1e-6)
+  for component in gathered["e"].values:
+    np.testing.assert_allclose(component.numpy(), x * w0 if rows else (x * w0).T, rtol=1e-6)
+  for component in gathered["ids"].values:
+    assert component.numpy().sum() == 15
 
 
 @pytest.mark.parametrize("towers", [1, 2, 4])
@@ -483,6 +490,13 @@ def test_experimental_distribute_values_from_function_gives_each_tower_its_value
                                                              args=(values,)))
   assert [r.numpy().tolist() for r in results] == [[10.0 * i + towers + 1.0] * 2
                                                    for i in range(towers)]
+  # One object for every tower stays each tower's whole value (it was taken as a global
+  # batch and split across the towers).
+  shared = tf.range(8.0)
+  with s.scope():
+    same = adapter.experimental_distribute_values_from_function(lambda ctx: shared)
+    sizes = adapter.experimental_local_results(adapter.run(tf.size, args=(same,)))
+  assert [int(n) for n in sizes] == [8] * towers
   if towers > 1:
     assert [c.device for c in values.values] == list(s.worker_devices)
     with s.scope():

@@ -1198,7 +1198,10 @@ def test_saved_model_trace():
       "saved_model_trace", repr(inside))
 
 
-def test_install_saved_model_device_rule(tmp_path):
+def test_install_saved_model_device_rule(tmp_path, monkeypatch):
+  # Undone after the test (the rule stays for a cluster process's life).
+  monkeypatch.setattr(tf.Graph, "_apply_device_functions",
+                      vars(tf.Graph)["_apply_device_functions"])
   _tf_internal.install_saved_model_device_rule()
   _tf_internal.install_saved_model_device_rule()  # Twice: a no-op.
   module = tf.Module()

@@ -163,40 +163,68 @@ class ReplicaContextAdapter:
     """Every tower's `value` (a tensor or a structure of them) concatenated along `axis`
     in tower order (of every worker process); every tower gets the result.
 
-    Differentiable for float tensors, as tf.distribute's: each tower's gradient is its
-    own rows of the towers' upstream gradients summed (every tower used every row).
+    Float tensors are differentiable, as tf.distribute's: each tower's gradient is its
+    own part, along `axis`, of the towers' upstream gradients summed (every tower used
+    every part). A negative `axis` counts from each value's last dimension.
     """
     del options
     tower = self._tower
-    flat = _wrapped.flatten(value)
+    flat = [tf.convert_to_tensor(v) for v in _wrapped.flatten(value)]
+    axes = [_gather_axis(v, axis) for v in flat]
 
-    def gather_fn(strategy, *leaves):
-      return tuple(strategy.gather(leaf, axis=axis, destinations=strategy.worker_devices)
-                   for leaf in leaves)
+    def gather_along(leaf_axes):
+      def gather_fn(strategy, *leaves):
+        return tuple(strategy.gather(leaf, axis=a, destinations=strategy.worker_devices)
+                     for leaf, a in zip(leaves, leaf_axes, strict=True))
+      return gather_fn
 
-    if not all(isinstance(v, tf.Tensor) and v.dtype.is_floating and v.shape.rank
-               for v in flat):
-      return _wrapped.pack_as(value, tower.merge_call(gather_fn, *flat))
+    floats = [i for i, v in enumerate(flat) if v.dtype.is_floating]
+    others = [i for i in range(len(flat)) if i not in floats]
+    results: list = [None] * len(flat)
+    if others:
+      gathered = tower.merge_call(gather_along([axes[i] for i in others]),
+                                  *[flat[i] for i in others])
+      for i, g in zip(others, gathered, strict=True):
+        results[i] = g
+    if floats:
+      float_axes = [axes[i] for i in floats]
 
-    def sum_fn(strategy, *leaves):
-      return tuple(strategy.batch_reduce("sum", [(leaf, None) for leaf in leaves]))
+      def backward_fn(strategy, upstream, sizes):
+        totals = strategy.batch_reduce("sum", [(u, None) for u in upstream])
+        parts = [strategy.gather(size, axis=0, destinations=strategy.worker_devices)
+                 for size in sizes]
+        return tuple(totals), tuple(parts)
 
-    @tf.custom_gradient
-    def all_gather(*leaves):
-      gathered = tower.merge_call(gather_fn, *leaves)
-      # Each tower's rows along `axis`, in tower order: where this tower's rows start.
-      sizes = tower.merge_call(gather_fn, *[tf.shape(leaf)[axis:axis + 1] for leaf in leaves])
-      starts = [tf.reduce_sum(size[:tower.tower_id]) for size in sizes]
+      @tf.custom_gradient
+      def gather_floats(*leaves):
+        gathered = tower.merge_call(gather_along(float_axes), *leaves)
 
-      def grad(*upstream):
-        totals = tower.merge_call(sum_fn, *upstream)
-        return tuple(
-            tf.gather(total, tf.range(start, start + tf.shape(leaf)[axis]), axis=axis)
-            for total, start, leaf in zip(totals, starts, leaves, strict=True))
+        def grad(*upstream):
+          own = [tf.reshape(tf.shape(leaf)[a], [1]) for leaf, a in
+                 zip(leaves, float_axes, strict=True)]
+          totals, sizes = tower.merge_call(backward_fn, tuple(upstream), tuple(own))
+          # This tower's part starts after the parts of the towers before it.
+          return tuple(
+              tf.gather(total, tf.range(tf.reduce_sum(size[:tower.tower_id]),
+                                        tf.reduce_sum(size[:tower.tower_id + 1])), axis=a)
+              for total, size, a in zip(totals, sizes, float_axes, strict=True))
 
-      return tuple(tf.identity(g) for g in gathered), grad
+        return tuple(tf.identity(g) for g in gathered), grad
 
-    return _wrapped.pack_as(value, all_gather(*flat))
+      for i, g in zip(floats, gather_floats(*[flat[i] for i in floats]), strict=True):
+        results[i] = g
+    return _wrapped.pack_as(value, results)
+
+
+def _gather_axis(value, axis):
+  """`axis` of `value` as a non-negative index (a negative one counts from the end)."""
+  if axis >= 0:
+    return axis
+  rank = value.shape.rank
+  if rank is None:
+    raise ValueError(f"all_gather() with a negative axis ({axis}) needs values of known "
+                     "rank; give a non-negative axis.")
+  return axis + rank
 
 
 class ExtendedAdapter:
@@ -425,13 +453,21 @@ class StrategyAdapter:
     towers (under its device), as a per-tower value for `run`: replica ids count every
     tower of every worker process, as tf.distribute's do."""
     first_tower, num_towers = self._ds._batch_split()
-    values = {}
-    for i, device in enumerate(self._ds.worker_devices):
+    devices = self._ds.worker_devices
+    per_tower = []
+    for i, device in enumerate(devices):
       context = tf.distribute.experimental.ValueContext(
           replica_id_in_sync_group=first_tower + i, num_replicas_in_sync=num_towers)
       with tf.device(device):
-        values[device] = value_fn(context)
-    return _wrapped.regroup(list(values.values()), tuple(values))
+        per_tower.append(value_fn(context))
+    # Always per-tower, even when every tower returned the same object: `run` would
+    # split a plain tensor as a global batch, and each tower asked for its whole value.
+    leaves = [_wrapped.flatten(v) if _wrapped.is_structure(v) else [v] for v in per_tower]
+    wrapped = [_wrapped.PerDevice(dict(zip(devices, column, strict=True)))
+               for column in zip(*leaves, strict=True)]
+    if not _wrapped.is_structure(per_tower[0]):
+      return wrapped[0]
+    return _wrapped.pack_as(per_tower[0], wrapped)
 
   def group(self, value, name=None):
     """One op that runs every part of `value` (None in eager mode)."""
