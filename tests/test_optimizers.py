@@ -1,6 +1,7 @@
 """Optimizers (docs/optimizers.md): textbook rules, N towers == one device, state, checkpoints."""
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -483,3 +484,27 @@ def test_mistaken_arguments_are_named_at_the_call(mode, towers):
   in_towers(lambda: opt.apply_gradients([(tf.ones([2]), v)]))  # Still trains: the
   step = 0.1 * max(towers, 1)  # towers' gradients are summed.
   np.testing.assert_allclose(v.numpy(), [1.0 - step, 2.0 - step], rtol=1e-6)
+
+
+@pytest.mark.parametrize("make,name,received", [
+    (lambda: ds.optimizers.GradientDescent("x"), "learning_rate", "'x' (str)"),
+    (lambda: ds.optimizers.GradientDescent(None), "learning_rate", "None (NoneType)"),
+    (lambda: ds.optimizers.Momentum(0.1, None), "momentum", "None (NoneType)"),
+    (lambda: ds.optimizers.Adam(beta1="0.9"), "beta1", "'0.9' (str)"),
+    (lambda: ds.optimizers.Adam(epsilon=True), "epsilon", "True (bool)"),
+])
+def test_hyperparameters_of_another_kind_are_refused_at_construction(make, name, received):
+  """They were accepted and failed at the first apply, in TensorFlow's cast."""
+  with pytest.raises(TypeError, match=rf"\({name}=\.\.\.\) takes a number, a scalar tensor "
+                     rf"or variable, or a callable that returns one \(a schedule\)\. "
+                     rf"Received: {re.escape(received)}"):
+    make()
+
+
+def test_hyperparameters_of_every_accepted_kind_train_alike():
+  results = []
+  for lr in (0.5, np.float32(0.5), tf.constant(0.5), tf.Variable(0.5), lambda: 0.5):
+    v = tf.Variable(1.0)
+    ds.optimizers.GradientDescent(lr).apply_gradients([(tf.constant(2.0), v)])
+    results.append(float(v))
+  assert results == [0.0] * 5

@@ -2,9 +2,24 @@
 
 from typing import Any
 
+import numpy as np
+
 from diststrat._tf import tf
 from diststrat.optimizers._mixin import DistributedOptimizerMixin
 from diststrat.optimizers._optimizer import Optimizer
+
+
+def _hyperparameter(optimizer, name, value):
+  """`value` if it can be a hyperparameter: a number, a scalar tensor or variable, or a
+  callable returning one (a schedule); else a TypeError naming it, at construction
+  (it failed at the first apply, in TensorFlow's cast)."""
+  numeric = isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+  if numeric or callable(value) or isinstance(value, (tf.Tensor, tf.Variable)):
+    return value
+  raise TypeError(
+      f"{optimizer}({name}=...) takes a number, a scalar tensor or variable, or a "
+      f"callable that returns one (a schedule). Received: {value!r} "
+      f"({type(value).__name__}).")
 
 
 class _HyperMixin:
@@ -39,7 +54,7 @@ class GradientDescent(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   def __init__(self, learning_rate: Any, loss_reduction: str = "mean",
                name: str = "GradientDescent") -> None:
     super().__init__(name, loss_reduction=loss_reduction)
-    self._learning_rate = learning_rate
+    self._learning_rate = _hyperparameter(type(self).__name__, "learning_rate", learning_rate)
 
   def _apply_dense(self, grad, var):
     # The fused kernel updates in place: no temporary for lr * grad.
@@ -61,8 +76,8 @@ class Momentum(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   def __init__(self, learning_rate: Any, momentum: Any, use_nesterov: bool = False,
                loss_reduction: str = "mean", name: str = "Momentum") -> None:
     super().__init__(name, loss_reduction=loss_reduction)
-    self._learning_rate = learning_rate
-    self._momentum = momentum
+    self._learning_rate = _hyperparameter(type(self).__name__, "learning_rate", learning_rate)
+    self._momentum = _hyperparameter(type(self).__name__, "momentum", momentum)
     self._use_nesterov = use_nesterov
 
   def _create_slots(self, var_list):
@@ -100,10 +115,10 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   def __init__(self, learning_rate: Any = 0.001, beta1: float = 0.9, beta2: float = 0.999,
                epsilon: float = 1e-8, loss_reduction: str = "mean", name: str = "Adam") -> None:
     super().__init__(name, loss_reduction=loss_reduction)
-    self._learning_rate = learning_rate
-    self._beta1 = beta1
-    self._beta2 = beta2
-    self._epsilon = epsilon
+    self._learning_rate = _hyperparameter(type(self).__name__, "learning_rate", learning_rate)
+    self._beta1 = _hyperparameter(type(self).__name__, "beta1", beta1)
+    self._beta2 = _hyperparameter(type(self).__name__, "beta2", beta2)
+    self._epsilon = _hyperparameter(type(self).__name__, "epsilon", epsilon)
 
   def _create_slots(self, var_list):
     first = min(var_list, key=lambda v: v.name)
