@@ -74,7 +74,8 @@ def canonicalize_all(devices, default=None):
     default: as in `canonicalize`: fills the parts each device leaves out.
 
   Raises:
-    ValueError: a device is not a device string, or appears twice.
+    ValueError: a device is not a device string, or appears twice, or `devices` is
+      unordered (a set).
   """
   if isinstance(devices, (str, tf.DeviceSpec, tf.config.LogicalDevice)):
     devices = (devices,)
@@ -84,6 +85,12 @@ def canonicalize_all(devices, default=None):
     raise ValueError(f"devices must be a list of device strings, such as ['/gpu:0', "
                      f"'/gpu:1']. Received: devices={devices!r} "
                      f"({type(devices).__name__}).{count}")
+  if isinstance(devices, (set, frozenset, dict)):
+    # Their order is the towers' order (tower ids, batch parts, variable copies), and a
+    # set's changes from one run to the next.
+    raise ValueError(f"devices must be an ordered sequence (a list or tuple): their order "
+                     f"is the towers' order, and a {type(devices).__name__}'s varies between "
+                     f"runs. Received: devices={devices!r}. Pass sorted(devices) or a list.")
   result = tuple(canonicalize(d, default) for d in devices)
   if len(set(result)) != len(result):
     raise ValueError(f"Each device may appear once. Received: devices={list(devices)!r}")

@@ -334,3 +334,15 @@ def test_strategies_take_logical_devices_and_explain_a_count():
   logical = tf.config.list_logical_devices("CPU")[:2]
   assert ds.MirroredStrategy(logical).worker_devices == tuple(CPUS[:2])
   assert ds.canonicalize_device(logical[1]) == CPUS[1]
+
+
+@pytest.mark.parametrize("make", [
+    lambda devices: ds.MirroredStrategy(set(devices)),
+    lambda devices: ds.MirroredStrategy(frozenset(devices)),
+    lambda devices: ds.values.regroup([1, 2], set(devices)),
+])
+def test_unordered_devices_are_refused(make):
+  """A set was accepted: the towers' order (tower ids, batch parts) changed between runs."""
+  with pytest.raises(ValueError, match=r"devices must be an ordered sequence \(a list or "
+                     r"tuple\): their order is the towers' order"):
+    make(CPUS[:2])
