@@ -304,3 +304,15 @@ def test_merge_call_of_the_default_tower_context_keeps_its_error(mode):
   fn = lambda: ds.get_tower_context().merge_call(None)  # noqa: E731
   with pytest.raises(TypeError, match=r"^merge_call\(\) takes a callable as merge_fn"):
     tf.function(fn)() if mode == "function" else fn()
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_a_per_device_argument_missing_a_tower_device_names_the_call_and_the_fix(traced):
+  """It raised select_device's advice to pass a device to get()."""
+  s = ds.MirroredStrategy(CPUS[:2])
+  x = ds.values.PerDevice({CPUS[0]: tf.constant(1.0), CPUS[2]: tf.constant(2.0)})
+  step = lambda: s.call_for_each_tower(lambda v: v + 1.0, x)  # noqa: E731
+  with pytest.raises(ValueError, match=r"An argument of call_for_each_tower\(\) is a "
+                     r"wrapped value with no component on the tower device .*CPU:1.*needs "
+                     r"a component on every tower's device"):
+    tf.function(step)() if traced else step()

@@ -216,8 +216,7 @@ class TowerRunner:
     if not self.captured.eager:
       fn = _autograph(fn)
     shares = _wrapped.batch_shares((args, kwargs)) or {}
-    towers = [_Tower(self, i, d, fn, _wrapped.select_device(d, args),
-                     _wrapped.select_device(d, kwargs), shares.get(d))
+    towers = [_Tower(self, i, d, fn, *self._tower_arguments(d, args, kwargs), shares.get(d))
               for i, d in enumerate(self.devices)]
     for tower in towers:
       tower.thread.start()
@@ -236,6 +235,18 @@ class TowerRunner:
       raise
     finally:
       self._join(towers)
+
+  def _tower_arguments(self, device, args, kwargs):
+    """(args, kwargs) for the tower on `device`: each wrapped value's component there."""
+    try:
+      return _wrapped.select_device(device, args), _wrapped.select_device(device, kwargs)
+    except ValueError as e:  # A wrapped argument with no component on this device.
+      raise ValueError(
+          f"An argument of call_for_each_tower() is a wrapped value with no component on "
+          f"the tower device {device} of {self.strategy!r}: a PerDevice or Mirrored "
+          "argument needs a component on every tower's device (the strategy's "
+          "worker_devices; strategy.distribute_dataset() makes such values). "
+          f"({e})") from e
 
   def _join(self, towers):
     """Joins every tower thread; one still running its own code is left (see module doc)."""
