@@ -335,6 +335,52 @@ def _touch(path):
     pass
 
 
+def _saved_step_fn(strategy, path, scratch):
+  """Every worker runs a training step and saves it (a tower-local variable's saved value
+  is its aggregate over every worker: a collective). Then the chief alone saves a step
+  with no tower-local variable, and every worker traces a new reduction, which needs
+  the workers' collective keys still in step."""
+  with strategy.scope():
+    m = tf.Module()
+    m.w = tf.Variable([[1.0], [2.0]], name="w")
+    m.seen = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
+                         aggregation=tf.VariableAggregation.SUM, name="seen")
+    opt = ds.optimizers.GradientDescent(0.1, loss_reduction="sum")
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 2]), tf.TensorSpec([None, 1])])
+  def train(x, y):
+    def tower(x, y):
+      opt.minimize(lambda: tf.reduce_sum(tf.square(x @ m.w - y)), var_list=[m.w])
+      m.seen.assign_add(tf.reduce_sum(y))
+    strategy.call_for_each_tower(tower, x, y)
+    return tf.identity(m.w), tf.identity(m.seen)
+
+  m.train = train
+  x, y = _saved_step_data()
+  train(x, y)
+  tf.saved_model.save(m, path if strategy.is_chief else scratch)
+  plain = tf.Module()
+  plain.w = m.w
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 2]), tf.TensorSpec([None, 1])])
+  def train_w(x, y):
+    strategy.call_for_each_tower(lambda x, y: opt.minimize(
+        lambda: tf.reduce_sum(tf.square(x @ m.w - y)), var_list=[m.w]), x, y)
+    return tf.identity(m.w)
+
+  plain.train = train_w
+  if strategy.is_chief:
+    tf.saved_model.save(plain, scratch)
+  total = tf.function(lambda: strategy.reduce(
+      "sum", strategy.call_for_each_tower(lambda: tf.constant(1.0))).primary)()
+  return float(total)
+
+
+def _saved_step_data():
+  return (np.array([[1.0, 2.0], [3.0, 4.0]], np.float32),
+          np.array([[1.0], [2.0]], np.float32))
+
+
 # --- tests -------------------------------------------------------------------------------
 
 
@@ -600,3 +646,35 @@ def test_a_long_run_keeps_threads_flat_at_the_defaults():
     assert threads[-1] - threads[0] <= 100, (task, samples)
     assert rss[-1] - rss[0] <= 100, (task, samples)  # MiB from step 100 to the end.
   assert results[0]["w"] == results[1]["w"]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_a_saved_training_step_runs_alone_as_one_workers_towers(tmp_path):
+  """The save's trace kept the cross-worker collectives: loaded in one process, the step
+  waited for the other worker forever; and a chief-only save took collective keys the
+  other worker did not, so a reduction both traced later could not meet."""
+  path = str(tmp_path / "saved")
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, result_timeout=TIMEOUT) as c:
+    assert c.run_on_workers(_saved_step_fn, path=path,
+                            scratch=str(tmp_path / "scratch")) == [4.0, 4.0]
+  loaded = tf.saved_model.load(path)  # This process: no cluster, no strategy.
+  # The reference: the same step on one worker's 2 towers, from the saved values.
+  s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with s.scope():
+    w = tf.Variable(loaded.w.numpy())
+    seen = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
+                       aggregation=tf.VariableAggregation.SUM)
+    opt = ds.optimizers.GradientDescent(0.1, loss_reduction="sum")
+  seen.assign(loaded.seen.numpy())
+  x, y = _saved_step_data()
+
+  def tower(x, y):
+    opt.minimize(lambda: tf.reduce_sum(tf.square(x @ w - y)), var_list=[w])
+    seen.assign_add(tf.reduce_sum(y))
+
+  for _ in range(2):
+    got = [t.numpy() for t in loaded.train(x, y)]
+    s.call_for_each_tower(tower, tf.constant(x), tf.constant(y))
+    np.testing.assert_allclose(got[0], w.numpy(), rtol=1e-6)
+    assert float(got[1]) == float(seen.numpy())

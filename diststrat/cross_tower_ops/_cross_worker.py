@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 from diststrat._tf import tf
 from diststrat import _arguments
+from diststrat import _tf_internal
 from diststrat._arguments import Aggregation
 from diststrat.cross_tower_ops import _base
 from diststrat.cross_tower_ops import _collective
@@ -134,6 +135,13 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
       raise ValueError(f"{self!r} is not bound to a cluster: it reduces across the "
                        "workers of a MultiWorkerMirroredStrategy, which binds it. Pass it "
                        "as MultiWorkerMirroredStrategy(cross_worker_ops=...).")
+    if _tf_internal.in_saved_model_trace():
+      # A SavedModel's functions run in one process, with no other worker to meet: they
+      # reduce over this worker's towers only, as one worker of its own. No collective
+      # is traced, so the save takes no collective keys either (only the chief may
+      # save, and the workers' keys must stay in step).
+      local = self._cluster[0]
+      return (local, local, 0, 1)
     return self._cluster
 
   # --- reductions ---
@@ -145,7 +153,8 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     local, all_devices, _, _ = self._bound()
     mean = aggregation is Aggregation.MEAN
     flat = [i for i, (v, d) in enumerate(value_destination_pairs)
-            if self._scheme == "flat" and set(v.devices) == set(d) == set(local)]
+            if self._scheme == "flat" and set(v.devices) == set(d) == set(local)
+            and not _tf_internal.in_saved_model_trace()]  # Local sums there (_bound).
     results = [None] * len(value_destination_pairs)
     if flat:
       columns = [tuple(value_destination_pairs[i][0].get(d) for d in local) for i in flat]

@@ -701,9 +701,11 @@ class TowerLocalVariable(DistributedVariable):
     return total
 
   def _num_copies(self):
-    """The copies of this variable in every process of its strategy."""
-    processes = 1 if self._strategy is None else self._strategy._num_processes()
-    return len(self._index) * processes
+    """The copies of this variable in every process of its strategy (this process's
+    while a SavedModel traces: its functions run in one process)."""
+    if self._strategy is None or _tf_internal.in_saved_model_trace():
+      return len(self._index)
+    return len(self._index) * self._strategy._num_processes()
 
   def _reads_one_copy(self):
     """In a tower or an update, the copy there; in a SavedModel's trace, the primary,
@@ -822,7 +824,8 @@ class TowerLocalVariable(DistributedVariable):
       return None
     if not self.dtype.is_integer:
       return 1.0 / self._num_copies()
-    chief = self._strategy is None or getattr(self._strategy, "is_chief", True)
+    chief = (self._strategy is None or getattr(self._strategy, "is_chief", True)
+             or _tf_internal.in_saved_model_trace())
     first = next(iter(self._index))
     return {device: 1 if chief and device == first else 0 for device in self._index}
 
