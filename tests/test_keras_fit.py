@@ -446,6 +446,47 @@ def test_a_custom_train_step_returning_nested_metric_results_logs_one_devices(na
   assert_all_close(weights, reference_weights)
 
 
+class GuideModelLoggingOneDevicesLoss(GuideModel):
+  """The guide's step with the loss tracker updated as docs/keras.md says, to log one
+  device's loss: `update_state(loss * n, sample_weight=1 / n)`."""
+
+  def train_step(self, data):
+    x, y = data
+    with tf.GradientTape() as tape:
+      y_pred = self(x, training=True)
+      loss = self.compute_loss(y=y, y_pred=y_pred)
+    gradients = tape.gradient(loss, self.trainable_variables)
+    self.optimizer.apply(gradients, self.trainable_variables)
+    n = tf.distribute.get_strategy().num_replicas_in_sync
+    for metric in self.metrics:
+      if metric.name == "loss":
+        metric.update_state(loss * tf.cast(n, loss.dtype), sample_weight=1 / n)
+      else:
+        metric.update_state(y, y_pred)
+    return {m.name: m.result() for m in self.metrics}
+
+
+def test_the_guide_step_logs_one_devices_loss_as_docs_keras_says_on_ragged_batches():
+  """docs/keras.md, "What a step returns". Batches of 10 over 4 towers (parts of 3, 3,
+  2, 2): `loss * n` alone logs 4.82 in the first epoch where one device logs 4.49, since
+  `n` is the int N in a train_step and the tracker weighs each tower's update by its
+  share (the page said `loss * n`, when `n` was a `TowerShare` there)."""
+  x, y = _data(n=60)
+
+  def run(strategy):
+    with strategy.scope():
+      keras.utils.set_random_seed(1)
+      inputs = keras.Input((FEATURES,))
+      outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(inputs))
+      model = GuideModelLoggingOneDevicesLoss(inputs, outputs)
+      model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    return model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history
+
+  reference = run(ds.DefaultStrategy())
+  history = run(STRATEGIES["mirrored4"]())
+  np.testing.assert_allclose(history["loss"], reference["loss"], rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["add", "lstm"])
 def test_residual_and_lstm_models_on_batches_smaller_than_the_tower_count(kind):
   """Compiled steps on batches of 2 and 3 over 4 towers. The batches' size is static, and
