@@ -330,6 +330,30 @@ def test_a_saved_training_step_with_towers_trains_as_before_saving(tmp_path):
   assert float(loaded.seen) == float(m.seen) == 16.0
 
 
+@pytest.mark.parametrize("aggregation,after_loading", [("sum", 32.0), ("mean", 8.0)])
+def test_a_signature_traced_before_the_save_reads_a_tower_local_variable_as_docs_say(
+    tmp_path, aggregation, after_loading):
+  """docs/keras.md, SavedModel: a concrete function given as `signatures=` is not traced
+  again, so its cross-tower read adds the 4 copies, which after loading are all the one
+  saved variable: `SUM` reads 4 times its aggregate, `MEAN` its aggregate."""
+  s = strategy(4)
+  with s.scope():
+    m = tf.Module()
+    m.t = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
+                      aggregation=getattr(tf.VariableAggregation, aggregation.upper()))
+  m.t.assign(8.0)
+
+  @tf.function(input_signature=[])
+  def read():
+    return tf.identity(m.t)
+
+  path = str(tmp_path / "saved")
+  tf.saved_model.save(m, path, signatures={"read": read.get_concrete_function()})
+  loaded = tf.saved_model.load(path)
+  assert float(read()) == 8.0
+  assert float(loaded.signatures["read"]()["output_0"]) == after_loading
+
+
 @pytest.mark.parametrize("towers", [0, 2], ids=["no strategy", "2 towers"])
 def test_a_saved_module_holding_an_optimizer_with_slots_loads_and_trains_the_same(
     tmp_path, towers):
