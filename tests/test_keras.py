@@ -590,9 +590,10 @@ def test_keras_merge_fns_are_compared_by_the_function_they_wrap():
 # --- the bridge in a custom loop written for tf.distribute ---------------------------------
 
 
-def _tutorial_loop(strategy, mode):
+def _tutorial_loop(strategy, mode, step_is_function=False):
   """TensorFlow's custom training loop tutorial, as written for tf.distribute: run the
-  step with `strategy.run`, sum the per-replica losses with `strategy.reduce`."""
+  step with `strategy.run`, sum the per-replica losses with `strategy.reduce`.
+  `step_is_function`: the replica function is a `tf.function` itself."""
   global_batch = 12
   rng = np.random.default_rng(0)
   x, y = rng.normal(size=(36, 3)).astype("float32"), rng.normal(size=(36, 1)).astype("float32")
@@ -613,6 +614,9 @@ def _tutorial_loop(strategy, mode):
       optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
       return loss
 
+    if step_is_function:
+      train_step = tf.function(train_step)
+
     def distributed_step(inputs):
       per_replica_losses = adapter.run(train_step, args=(inputs,))
       return adapter.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
@@ -631,6 +635,49 @@ def test_strategy_reduce_of_run_results_sums_the_towers_losses(name, mode):
   expected_losses, expected_weights = _tutorial_loop(STRATEGIES["default"](), mode)
   np.testing.assert_allclose(losses, expected_losses, **TOL)
   assert_all_close(weights, expected_weights)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["mirrored2", "mirrored4"])
+def test_run_of_a_tf_function_merges_across_towers_as_tf_distribute_does(name, mode):
+  # `strategy.run(train_step)` with a `tf.function` train_step (TensorFlow's run accepts
+  # one) ran the function in each tower, which traced it on its own: the Keras
+  # optimizer's merge_call inside raised ContextError ("while the tower was tracing a
+  # tf.function of its own"). tf.distribute runs the towers inside the function's trace.
+  losses, weights = _tutorial_loop(STRATEGIES[name](), mode, step_is_function=True)
+  expected_losses, expected_weights = _tutorial_loop(STRATEGIES["default"](), mode)
+  np.testing.assert_allclose(losses, expected_losses, **TOL)
+  assert_all_close(weights, expected_weights)
+
+
+@pytest.mark.parametrize("name", ["mirrored2", "mirrored4"])
+def test_run_converts_the_replica_function_with_autograph_as_tf_distribute_does(name):
+  # In a tf.function, `strategy.run(step)` ran `step` without AutoGraph: a Python `if`
+  # on a tensor raised OperatorNotAllowedInGraphError, and a `for` over `tf.range` ran
+  # in Python. tf.distribute converts it, as diststrat's call_for_each_tower does.
+  strategy = STRATEGIES[name]()
+  batch = tf.range(8, dtype=tf.float32)
+
+  def step(part):
+    total = tf.reduce_sum(part)
+    if total > 10.0:
+      total = total * 10.0
+    for i in tf.range(3):
+      total += tf.cast(i, tf.float32)
+    return total
+
+  @tf.function
+  def run():
+    adapter = tf.distribute.get_strategy()
+    return adapter.experimental_local_results(adapter.run(step, args=(batch,)))
+
+  with strategy.scope():
+    got = [float(t) for t in run()]
+  expected = []
+  for part in np.array_split(np.arange(8, dtype=np.float32), strategy.num_towers):
+    total = part.sum()
+    expected.append((total * 10.0 if total > 10.0 else total) + 3.0)
+  np.testing.assert_allclose(got, expected)
 
 
 @pytest.mark.parametrize("mode", MODES)

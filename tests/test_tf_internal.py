@@ -163,6 +163,32 @@ def test_call_flat():
   assert [float(o) for o in outputs] == [7.0, 10.0], _broke("call_flat", f"gave {outputs}")
 
 
+def test_tf_function_jit_compile():
+  assert _tf_internal.tf_function_jit_compile(tf.function(lambda x: x, jit_compile=True)), \
+      _broke("tf_function_jit_compile", "a jit_compile=True function reads as not compiled")
+  for function in (tf.function(lambda x: x), tf.function(lambda x: x, jit_compile=False)):
+    assert not _tf_internal.tf_function_jit_compile(function), _broke(
+        "tf_function_jit_compile", "a function without jit_compile reads as compiled")
+
+
+def test_clone_tf_function():
+  spec = [tf.TensorSpec([None], tf.float32)]
+  function = tf.function(lambda x: x, input_signature=spec, reduce_retracing=True,
+                         jit_compile=False)
+  assert hasattr(function, "_clone"), _broke("clone_tf_function", "Function._clone is gone")
+  clone = _tf_internal.clone_tf_function(function, lambda x: x * 2.0)
+  assert isinstance(clone, tf.types.experimental.PolymorphicFunction)
+  assert clone.input_signature == function.input_signature, _broke(
+      "clone_tf_function", f"input signature {clone.input_signature}")
+  np.testing.assert_allclose(clone(tf.constant([1.0, 2.0])), [2.0, 4.0])
+  with pytest.raises((TypeError, ValueError)):  # The input signature holds.
+    clone(tf.constant([[1.0]]))
+  compiled = _tf_internal.clone_tf_function(tf.function(lambda x: x, jit_compile=True),
+                                            lambda x: x + 1.0)
+  assert _tf_internal.tf_function_jit_compile(compiled), _broke(
+      "clone_tf_function", "the clone lost jit_compile")
+
+
 # --- variables around a handle ---------------------------------------------------------------
 
 

@@ -370,6 +370,8 @@ class StrategyAdapter:
   def __init__(self, strategy):
     self._ds = strategy
     self.extended = ExtendedAdapter(strategy)
+    # A tf.function given to `run` -> the tf.function that runs its towers.
+    self._tf_function_runs = weakref.WeakKeyDictionary()  # type: ignore[var-annotated]
 
   def __repr__(self):
     return f"diststrat StrategyAdapter({self._ds!r})"
@@ -519,17 +521,42 @@ class StrategyAdapter:
     del options
     # Keras combines the results itself, with code that knows only tf.distribute's values.
     keras_trainer = _tf_internal.called_by_keras_trainer()
+    keras_step = keras_trainer or _training.is_train_or_test_step(fn)
+    if not keras_step and isinstance(fn, tf.types.experimental.PolymorphicFunction) and \
+        not _tf_internal.tf_function_jit_compile(fn):
+      return self._run_tf_function(fn, args, kwargs or {})
     _model_checks.check_step(self, fn)
     _training.route_step(self, fn)
     _training.bound_steps(self, getattr(fn, "__self__", None))
     args, kwargs = _training.split_step_inputs(self._ds, args, kwargs)
     with self._adapter_scope():
       # Keras runs its steps without AutoGraph (as on one device): towers do the same.
-      step = tf.autograph.experimental.do_not_convert(fn)
+      # Any other function is converted in a tf.function (call_for_each_tower does it),
+      # as tf.distribute's run converts it.
+      step = tf.autograph.experimental.do_not_convert(fn) if keras_step else fn
       outputs = self._ds.call_for_each_tower(step, *args, **kwargs)
-      if _training.is_train_or_test_step(fn) or keras_trainer:
+      if keras_step:
         return _training.combine_step_outputs(self._ds, fn, outputs)
       return outputs
+
+  def _run_tf_function(self, fn, args, kwargs):
+    """`run` of a `tf.function`, as tf.distribute's: the towers run inside one trace of a
+    function with `fn`'s options, each calling the Python function `fn` wraps.
+
+    Each tower tracing `fn` on its own could not `merge_call` (a Keras optimizer's
+    `apply_gradients`, an `all_reduce`): the other towers would wait for that trace, and
+    it for them. A function compiled with XLA is called in each tower as it is.
+    """
+    wrapped = self._tf_function_runs.get(fn)
+    if wrapped is None:
+      python_function = fn.python_function
+
+      def run_in_towers(*args, **kwargs):
+        return self.run(python_function, args=args, kwargs=kwargs)
+
+      wrapped = _tf_internal.clone_tf_function(fn, run_in_towers)
+      self._tf_function_runs[fn] = wrapped
+    return wrapped(*args, **kwargs)
 
   # --- cross-replica reductions Keras may call ---
 

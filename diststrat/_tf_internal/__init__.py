@@ -11,7 +11,7 @@ the job, in the module of its kind:
 |---|---|
 | `_thread_state` | the calling thread's device scope, variable creators, control inputs, and whether a `tf.while_loop` body is being built |
 | `_collectives` | collective ops; setting up collectives across processes; a peer's health; aborting them |
-| `_functions` | calling a traced function with a flat list of tensors |
+| `_functions` | calling a traced function with a flat list of tensors; a `tf.function`'s XLA flag, and a copy of its options around another function |
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running; its wait for pending eager work |
 | `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it; a sliced assignment; whether a SavedModel is tracing |
 | `_tapes` | recording on gradient tapes |
@@ -56,6 +56,8 @@ from diststrat._tf_internal._collectives import enable_cross_process_collectives
 from diststrat._tf_internal._collectives import function_runs_collectives as function_runs_collectives
 from diststrat._tf_internal._distribute_stack import tf_distribution_mode as tf_distribution_mode
 from diststrat._tf_internal._functions import call_flat as call_flat
+from diststrat._tf_internal._functions import clone_tf_function as clone_tf_function
+from diststrat._tf_internal._functions import tf_function_jit_compile as tf_function_jit_compile
 from diststrat._tf_internal._keras import called_by_keras_loss as called_by_keras_loss
 from diststrat._tf_internal._keras import called_by_keras_trainer as called_by_keras_trainer
 from diststrat._tf_internal._keras import keras_backing_variable as keras_backing_variable

@@ -1,4 +1,5 @@
-"""Calling a traced function with a flat list of tensors, fast.
+"""Calling a traced function with a flat list of tensors, fast; copying a `tf.function`'s
+options to another function.
 
 The public call binds every argument in Python, a cost per tensor that a `batch_reduce`
 pays many times (50 tensors on 4 devices are 200 arguments); the concrete function's
@@ -7,6 +8,9 @@ flat call takes the list as it is.
 
 import functools
 import inspect
+from typing import Any, Callable
+
+from diststrat._tf import tf
 
 _FAST_CALL_PARAMETERS = ["self", "tensor_inputs", "captured_inputs"]
 
@@ -30,3 +34,30 @@ def call_flat(concrete_function, tensors):
   if _has_fast_call(type(concrete_function)):
     return concrete_function._call_flat(list(tensors), concrete_function.captured_inputs)  # pylint: disable=protected-access
   return concrete_function(*tensors)
+
+
+def tf_function_jit_compile(function: Any) -> bool:
+  """Whether the `tf.function` `function` was made with `jit_compile=True`.
+
+  No public attribute says it; a function whose flag cannot be read counts as not
+  compiled.
+  """
+  return getattr(function, "_jit_compile", None) is True
+
+
+def clone_tf_function(function: Any, python_function: Callable[..., Any]) -> Any:
+  """A `tf.function` of `python_function` made with the options of `function` (its
+  input signature, AutoGraph, XLA and retracing settings), as TensorFlow's own
+  strategies make one around a `tf.function` given to `run`.
+
+  Uses the function's private `_clone`, the one way to copy every option; without it, a
+  plain `tf.function` with the input signature.
+  """
+  clone = getattr(function, "_clone", None)
+  if clone is not None:
+    try:
+      return clone(python_function=python_function)  # pylint: disable=protected-access
+    except TypeError:  # pragma: no cover - depends on the TensorFlow version
+      pass
+  return tf.function(python_function,  # pragma: no cover - depends on the TensorFlow version
+                     input_signature=getattr(function, "input_signature", None))
