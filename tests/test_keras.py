@@ -737,6 +737,19 @@ def test_strategy_reduce_mean_along_an_axis_weighs_every_example(name):
   np.testing.assert_allclose(total, values.sum())
 
 
+@pytest.mark.parametrize("name", ["mirrored2", "mirrored4"])
+def test_strategy_reduce_mean_of_integers_divides_as_tf_distribute_does(name):
+  """It floored in the integers' dtype (diststrat's own reduce does): tf.distribute gives
+  the true mean (float64 for int32), e.g. of per-replica example counts."""
+  strategy = STRATEGIES[name]()
+  with strategy.scope():
+    adapter = tf.distribute.get_strategy()
+    per_tower = strategy.call_for_each_tower(
+        lambda: tf.constant(ds.get_tower_context().tower_id % 2))  # 0, 1, 0, 1, ...
+    mean = adapter.reduce(tf.distribute.ReduceOp.MEAN, per_tower, axis=None)
+  assert mean.dtype == tf.float64 and float(mean) == 0.5
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_num_replicas_in_sync_is_the_tower_count_for_code_other_than_keras_losses(mode):
   # In a tower given part of a batch (any `run` with a batch), num_replicas_in_sync was

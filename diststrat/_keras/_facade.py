@@ -584,8 +584,14 @@ class StrategyAdapter:
     devices = value.devices
     parts = [tf.convert_to_tensor(p) for p in value.values]
     if axis is None:
-      reduced = self._ds.reduce(op, _wrapped.PerDevice(dict(zip(devices, parts, strict=True))))
-      return reduced.get(first)
+      per_tower = _wrapped.PerDevice(dict(zip(devices, parts, strict=True)))
+      if op == "mean" and parts[0].dtype.is_integer:
+        # As tf.distribute's: a true division (float64 for int32), where diststrat's own
+        # reduce floors and keeps the dtype (docs/cross_tower_ops.md).
+        total = self._ds.reduce("sum", per_tower).get(first)
+        with tf.device(first):
+          return tf.math.truediv(total, tf.cast(self._ds.num_towers, total.dtype))
+      return self._ds.reduce(op, per_tower).get(first)
     sums, counts = [], []
     for device, part in zip(devices, parts, strict=True):
       with tf.device(device):
