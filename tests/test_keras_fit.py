@@ -420,6 +420,17 @@ class GuideModel(keras.Model):
     return {m.name: m.result() for m in self.metrics}
 
 
+def _compiled_guide_model(model_class, strategy):
+  """A small functional model of `model_class`, built and compiled in `strategy`'s scope."""
+  with strategy.scope():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((FEATURES,))
+    outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(inputs))
+    model = model_class(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+  return model
+
+
 @pytest.mark.parametrize("name", ["mirrored2", "mirrored4"])
 def test_a_custom_train_step_returning_nested_metric_results_logs_one_devices(name):
   """The nested metric results were logged as diststrat `PerDevice` objects (one value
@@ -427,12 +438,7 @@ def test_a_custom_train_step_returning_nested_metric_results_logs_one_devices(na
   x, y = _data(n=60)
 
   def run(strategy):
-    with strategy.scope():
-      keras.utils.set_random_seed(1)
-      inputs = keras.Input((FEATURES,))
-      outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(inputs))
-      model = GuideModel(inputs, outputs)
-      model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    model = _compiled_guide_model(GuideModel, strategy)
     history = model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0,
                         validation_data=(x[:20], y[:20])).history
     return history, model.get_weights()
@@ -474,12 +480,7 @@ def test_the_guide_step_logs_one_devices_loss_as_docs_keras_says_on_ragged_batch
   x, y = _data(n=60)
 
   def run(strategy):
-    with strategy.scope():
-      keras.utils.set_random_seed(1)
-      inputs = keras.Input((FEATURES,))
-      outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(inputs))
-      model = GuideModelLoggingOneDevicesLoss(inputs, outputs)
-      model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    model = _compiled_guide_model(GuideModelLoggingOneDevicesLoss, strategy)
     return model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history
 
   reference = run(ds.DefaultStrategy())

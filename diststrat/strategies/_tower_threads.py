@@ -241,12 +241,11 @@ class TowerRunner:
     try:
       return _wrapped.select_device(device, args), _wrapped.select_device(device, kwargs)
     except ValueError as e:  # A wrapped argument with no component on this device.
-      raise ValueError(
+      raise _missing_component(
           f"An argument of call_for_each_tower() is a wrapped value with no component on "
           f"the tower device {device} of {self.strategy!r}: a PerDevice or Mirrored "
           "argument needs a component on every tower's device (the strategy's "
-          "worker_devices; strategy.distribute_dataset() makes such values). "
-          f"({e})") from e
+          "worker_devices; strategy.distribute_dataset() makes such values).", e) from e
 
   def _join(self, towers):
     """Joins every tower thread; one still running its own code is left (see module doc)."""
@@ -314,13 +313,12 @@ class TowerRunner:
       try:
         tower.merge_result = _wrapped.select_device(tower.device, result)
       except ValueError as e:  # A wrapped value with no component for this tower.
-        raise ValueError(
+        raise _missing_component(
             f"merge_fn {_describe_fn(first.merge_fn)} returned a wrapped value with no "
             f"component on tower {tower.tower_id}'s device {tower.device}, so merge_call "
             "cannot give that tower its part. Return a value with a component on every "
             "tower's device (strategy.reduce(...) or strategy.broadcast(...) without "
-            "destinations), or a plain value (every tower gets it). "
-            f"({e})") from e
+            "destinations), or a plain value (every tower gets it).", e) from e
 
   def _check_same_merge_fn(self, towers):
     groups = []  # [(merge_fn, [tower ids])], by sameness
@@ -360,6 +358,11 @@ def _methods_of_different_objects(fns):
   if not all(inspect.ismethod(fn) for fn in fns):
     return False
   return len({getattr(fn.__func__, "__code__", None) for fn in fns}) == 1
+
+
+def _missing_component(message, error):
+  """`message` as a ValueError, with `select_device`'s own `error` after it."""
+  return ValueError(f"{message} ({error})")
 
 
 def _describe_fn(fn):
