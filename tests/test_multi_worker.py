@@ -356,8 +356,19 @@ def _saved_step_fn(strategy, path, scratch):
     return tf.identity(m.w), tf.identity(m.seen)
 
   m.train = train
+  with strategy.scope():
+    adapter = tf.distribute.get_strategy()
+
+  @tf.function(input_signature=[])
+  def mean():  # An integer mean through the tf.distribute bridge: 2 in every tower.
+    with strategy.scope():
+      return adapter.reduce("MEAN", strategy.call_for_each_tower(lambda: tf.constant(2)),
+                            axis=None)
+
+  m.mean = mean
   x, y = _saved_step_data()
   train(x, y)
+  assert float(mean()) == 2.0
   tf.saved_model.save(m, path if strategy.is_chief else scratch)
   plain = tf.Module()
   plain.w = m.w
@@ -659,6 +670,7 @@ def test_a_saved_training_step_runs_alone_as_one_workers_towers(tmp_path):
     assert c.run_on_workers(_saved_step_fn, path=path,
                             scratch=str(tmp_path / "scratch")) == [4.0, 4.0]
   loaded = tf.saved_model.load(path)  # This process: no cluster, no strategy.
+  assert float(loaded.mean()) == 2.0  # Divided by the towers summed (1.0: by all 4).
   # The reference: the same step on one worker's 2 towers, from the saved values.
   s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
   with s.scope():

@@ -587,10 +587,15 @@ class StrategyAdapter:
       per_tower = _wrapped.PerDevice(dict(zip(devices, parts, strict=True)))
       if op == "mean" and parts[0].dtype.is_integer:
         # As tf.distribute's: a true division (float64 for int32), where diststrat's own
-        # reduce floors and keeps the dtype (docs/cross_tower_ops.md).
-        total = self._ds.reduce("sum", per_tower).get(first)
+        # reduce floors and keeps the dtype (docs/cross_tower_ops.md). The count is
+        # reduced with the values: the towers the sum covered (a SavedModel's trace under
+        # MultiWorkerMirroredStrategy covers one worker's).
+        ones = _wrapped.PerDevice({d: tf.ones([], p.dtype)
+                                   for d, p in zip(devices, parts, strict=True)})
+        total, count = (r.get(first) for r in self._ds.batch_reduce(
+            "sum", [(per_tower, None), (ones, None)]))
         with tf.device(first):
-          return tf.math.truediv(total, tf.cast(self._ds.num_towers, total.dtype))
+          return tf.math.truediv(total, count)
       return self._ds.reduce(op, per_tower).get(first)
     sums, counts = [], []
     for device, part in zip(devices, parts, strict=True):
