@@ -544,6 +544,27 @@ def test_tf_compat_v1_optimizers_in_towers_train_like_one_device(name, traced):
     np.testing.assert_allclose(component.numpy(), expected, rtol=1e-5)
 
 
+def test_a_strategy_whose_scope_was_entered_is_freed():
+  """The adapters' map held each adapter, which holds its strategy: a strategy whose
+  scope was entered once was never freed. A Keras model keeps its strategy alive."""
+  import gc  # pylint: disable=g-import-not-at-top
+  import weakref  # pylint: disable=g-import-not-at-top
+  s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with s.scope():
+    first = tf.distribute.get_strategy()
+    assert tf.distribute.get_strategy() is first  # One adapter while it is held.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  ref = weakref.ref(s)
+  del s, first
+  gc.collect()
+  assert ref() is not None  # The model's strategy.
+  np.testing.assert_allclose(model.predict(np.ones((4, 2), np.float32), verbose=0).shape,
+                             (4, 1))
+  del model
+  gc.collect()
+  assert ref() is None
+
+
 @pytest.mark.parametrize("name", ["mirrored2", "ps2"])
 def test_tf_distribute_reports_the_diststrat_context(name):
   strategy = STRATEGIES[name]()

@@ -45,16 +45,22 @@ from diststrat.values import _variables
 from diststrat.values import _wrapped
 
 
-# strategy -> its StrategyAdapter
-_adapters: "weakref.WeakKeyDictionary[Any, StrategyAdapter]" = weakref.WeakKeyDictionary()
+# strategy -> a weak reference to its StrategyAdapter. Weak: the adapter holds its
+# strategy, and a value holding its key keeps the entry, and the strategy, alive forever.
+_adapters: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
+_adapters_lock = threading.Lock()
 
 
 def adapter_for(strategy):
-  """The one `StrategyAdapter` of `strategy` (made on first use)."""
-  adapter = _adapters.get(strategy)
-  if adapter is None:
-    adapter = _adapters.setdefault(strategy, StrategyAdapter(strategy))
-  return adapter
+  """The `StrategyAdapter` of `strategy`: one while anything holds it (Keras models and
+  optimizers do, and the scope while entered), made again after nothing does."""
+  with _adapters_lock:
+    ref = _adapters.get(strategy)
+    adapter = None if ref is None else ref()
+    if adapter is None:
+      adapter = StrategyAdapter(strategy)
+      _adapters[strategy] = weakref.ref(adapter)
+    return adapter
 
 
 _entering = threading.local()  # by_adapter: a StrategyAdapter enters its strategy's scope.
