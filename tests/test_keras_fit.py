@@ -414,10 +414,13 @@ class GuideModel(keras.Model):
     self.optimizer.apply(gradients, self.trainable_variables)
     for metric in self.metrics:
       if metric.name == "loss":
-        metric.update_state(loss)
+        self.update_loss_tracker(metric, loss)
       else:
         metric.update_state(y, y_pred)
     return {m.name: m.result() for m in self.metrics}
+
+  def update_loss_tracker(self, tracker, loss):
+    tracker.update_state(loss)  # As the guide does.
 
 
 def _compiled_guide_model(model_class, strategy):
@@ -456,20 +459,9 @@ class GuideModelLoggingOneDevicesLoss(GuideModel):
   """The guide's step with the loss tracker updated as docs/keras.md says, to log one
   device's loss: `update_state(loss * n, sample_weight=1 / n)`."""
 
-  def train_step(self, data):
-    x, y = data
-    with tf.GradientTape() as tape:
-      y_pred = self(x, training=True)
-      loss = self.compute_loss(y=y, y_pred=y_pred)
-    gradients = tape.gradient(loss, self.trainable_variables)
-    self.optimizer.apply(gradients, self.trainable_variables)
+  def update_loss_tracker(self, tracker, loss):
     n = tf.distribute.get_strategy().num_replicas_in_sync
-    for metric in self.metrics:
-      if metric.name == "loss":
-        metric.update_state(loss * tf.cast(n, loss.dtype), sample_weight=1 / n)
-      else:
-        metric.update_state(y, y_pred)
-    return {m.name: m.result() for m in self.metrics}
+    tracker.update_state(loss * tf.cast(n, loss.dtype), sample_weight=1 / n)
 
 
 def test_the_guide_step_logs_one_devices_loss_as_docs_keras_says_on_ragged_batches():

@@ -54,9 +54,9 @@ def _check_gradient(grad, var):
           "variable's dtype, or check that each gradient is paired with its own variable.")
     if shape is not None and not shape.is_compatible_with(var.shape):
       raise ValueError(
-          f"apply_gradients() got a gradient of shape {_shape(shape)} for variable {name!r} of shape {tuple(var.shape.as_list())}. Pair each "
-          "gradient with its own variable: zip(grads, variables) with both lists in the "
-          "same order.")
+          f"apply_gradients() got a gradient of shape {_shape(shape)} for variable "
+          f"{name!r} of shape {tuple(var.shape.as_list())}. Pair each gradient with its "
+          "own variable: zip(grads, variables) with both lists in the same order.")
 
 
 def _shape(shape):

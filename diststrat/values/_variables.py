@@ -465,6 +465,33 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
       return [next(iter(self._index.items()))]
     return list(self._index.items())
 
+  def _write_by_aggregation(self, method, value, read_value):
+    """A tower's write through `merge_call`: the towers' values combined by the
+    aggregation (ONLY_FIRST_REPLICA: tower 0's), then written by `strategy.update`."""
+    aggregation = self._aggregation
+    # Each tower's value is its own tensor: the same object in every tower (a Python
+    # number, a tensor made outside the towers) would count once in the reduction, so
+    # `counter.assign_add(1)` in every tower would add 1, not 1 per tower, with SUM. A
+    # Python or numpy value takes this variable's dtype (1 becomes an int64 for an int64
+    # counter), as it does for a plain variable.
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+      value = tf.identity(value)
+    elif not isinstance(value, (tf.IndexedSlices, _wrapped.DistributedValues)):
+      value = tf.convert_to_tensor(value, dtype=self.dtype)
+
+    def merge_fn(strategy, value):
+      if aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA:
+        value = strategy._first_tower_value(value)
+      else:
+        value = strategy.reduce(aggregation, value, destinations=self)
+      return strategy.update(self, lambda component, v: getattr(component, method)(
+          v, read_value=False), value)
+
+    _context.get_tower_context().merge_call(merge_fn, value)
+    if read_value:
+      return self
+    return None if tf.executing_eagerly() else tf.no_op()
+
   def _write_all(self, method, value, read_value, scale=None):
     """Writes `value` (plain or wrapped) into every component; returns like tf.Variable."""
     ops = []
@@ -573,29 +600,7 @@ class MirroredVariable(DistributedVariable):
           "(strategy.update() or merge_call). If a library created it (a "
           "tf.train.Checkpoint's save_counter, when a tower saves), call that library "
           "in cross-tower context: outside call_for_each_tower, or in merge_call.")
-    aggregation = self._aggregation
-    # Each tower's value is its own tensor: the same object in every tower (a Python
-    # number, a tensor made outside the towers) would count once in the reduction, so
-    # `counter.assign_add(1)` in every tower would add 1, not 1 per tower, with SUM. A
-    # Python or numpy value takes this variable's dtype (1 becomes an int64 for an int64
-    # counter), as it does for a plain variable.
-    if isinstance(value, (tf.Tensor, tf.Variable)):
-      value = tf.identity(value)
-    elif not isinstance(value, (tf.IndexedSlices, _wrapped.DistributedValues)):
-      value = tf.convert_to_tensor(value, dtype=self.dtype)
-
-    def merge_fn(strategy, value):
-      if aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA:
-        value = strategy._first_tower_value(value)
-      else:
-        value = strategy.reduce(aggregation, value, destinations=self)
-      return strategy.update(self, lambda component, v: getattr(component, method)(
-          v, read_value=False), value)
-
-    _context.get_tower_context().merge_call(merge_fn, value)
-    if read_value:
-      return self
-    return None if tf.executing_eagerly() else tf.no_op()
+    return self._write_by_aggregation(method, value, read_value)
 
   def _write_sparse(self, method, data, write):
     if not _in_real_tower():
@@ -724,23 +729,6 @@ class TowerLocalVariable(DistributedVariable):
       total = self.primary.value()
       return total if weight is None else total * tf.cast(weight, self.dtype)
 
-  def _merge_saved_tower_write(self, method, value, read_value):
-    """A tower's write while a SavedModel traces: the towers' values are combined by the
-    aggregation (as the copies' aggregate would change) and written once."""
-    value = (tf.identity(value) if isinstance(value, (tf.Tensor, tf.Variable))
-             else tf.convert_to_tensor(value, dtype=self.dtype))
-    aggregation = self._aggregation
-
-    def merge_fn(strategy, value):
-      combined = strategy.reduce(aggregation, value, destinations=self)
-      return strategy.update(self, lambda component, v: getattr(component, method)(
-          v, read_value=False), combined)
-
-    _context.get_tower_context().merge_call(merge_fn, value)
-    if read_value:
-      return self
-    return None if tf.executing_eagerly() else tf.no_op()
-
   def value(self) -> tf.Tensor:
     tower = _context.get_tower_context()
     if tower is not None and self._reads_saved_share():
@@ -778,7 +766,10 @@ class TowerLocalVariable(DistributedVariable):
 
   def _write(self, method, value, read_value):
     if self._reads_saved_share():
-      return self._merge_saved_tower_write(method, value, read_value)
+      # The SavedModel's one variable holds the aggregate: the towers' writes are
+      # combined by the aggregation (as the copies' aggregate would change), then
+      # written once.
+      return self._write_by_aggregation(method, value, read_value)
     if _in_real_tower() or _context.get_update_device() is not None:
       component = self._component()
       result = getattr(component, method)(value, read_value=False)
