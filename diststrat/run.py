@@ -81,11 +81,15 @@ def _seconds(text):
 def _parser():
   parser = argparse.ArgumentParser(
       prog="diststrat-run",
+      usage="%(prog)s --workers N [options] script.py [script arguments]",
       description="Start a TensorFlow program as a cluster job: P parameter servers and "
       "N worker processes, each with TF_CONFIG set for its task. See docs/launch.md.",
       epilog="Example: diststrat-run --workers 2 train.py --epochs=3")
-  parser.add_argument("--workers", type=_positive(1), required=True,
-                      help="worker processes of the script (per host with --hosts)")
+  # Required, checked by `run`: a --workers after the script is the script's, and the
+  # error says so.
+  parser.add_argument("--workers", type=_positive(1), default=None,
+                      help="worker processes of the script (per host with --hosts); "
+                      "required")
   parser.add_argument("--ps", type=_positive(0), default=0,
                       help="parameter-server tasks (per host with --hosts); default 0")
   parser.add_argument("--cpus-per-worker", type=_positive(1), default=None,
@@ -120,6 +124,29 @@ def _parser():
   parser.add_argument("script_args", nargs=argparse.REMAINDER,
                       help="arguments of the script")
   return parser
+
+
+def _script_arguments(argv, args):
+  """The arguments after the script, all of them, as `python script.py ...` passes them.
+
+  argparse gives them as the end of `argv`, but drops a "--" that comes right after the
+  script (`script.py -- a`: the script would see ["a"], not ["--", "a"])."""
+  tail = list(args.script_args)
+  start = len(argv) - len(tail)
+  if (argv[start:] == tail and start >= 2 and argv[start - 1] == "--"
+      and argv[start - 2] == args.script):
+    return ["--", *tail]
+  return tail
+
+
+def _given_to_the_script(args, option):
+  """A hint when `option` was given after the script (so to the script), else ""."""
+  given = [a for a in args.script_args if a == option or a.startswith(option + "=")]
+  if args.script is None or not given:
+    return ""
+  return (f". {given[0]} comes after the script ({args.script!r}), so it is one of the "
+          "script's arguments: put the launcher's options before the script, as in "
+          "diststrat-run --workers 2 train.py --epochs=3")
 
 
 class _Options:
@@ -183,10 +210,15 @@ class _Options:
 def run(argv: list | None = None) -> int:
   """Runs the launcher with command-line arguments `argv`; returns its exit status."""
   parser = _parser()
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parser.parse_args(argv)
+  if args.workers is None:
+    parser.error("the following arguments are required: --workers" +
+                 _given_to_the_script(args, "--workers"))
   if args.script is None:  # argparse would also call the script's arguments required.
     parser.error("the script to run is missing: diststrat-run [options] script.py "
                  "[script arguments]")
+  args.script_args = _script_arguments(argv, args)
   try:
     options = _Options(args)
   except LaunchError as e:

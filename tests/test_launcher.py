@@ -727,6 +727,40 @@ def test_no_script_is_a_usage_error_naming_the_script(capfd):
   assert "script_args" not in err
 
 
+@pytest.mark.parametrize("after, script_args", [
+    (["--", "a"], ["--", "a"]),
+    (["--"], ["--"]),
+    (["--", "--workers", "3"], ["--", "--workers", "3"]),
+    (["a", "--", "b"], ["a", "--", "b"]),
+    (["--workers", "3", "-h"], ["--workers", "3", "-h"]),
+])
+def test_everything_after_the_script_is_the_scripts_as_under_python(
+    tmp_path, monkeypatch, after, script_args):
+  """`python script.py -- a` gives the script ["--", "a"]: so does the launcher (it
+  dropped a "--" that followed the script, so the script got ["a"])."""
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  plans = []
+  monkeypatch.setattr(launcher._job, "run_job", lambda plan: plans.append(plan) or 0)
+  for before in ([], ["--"]):  # A "--" before the script ends the launcher's options.
+    assert launcher.run(["--workers", "1", *before, str(script), *after]) == 0
+    assert plans.pop().script_args == script_args, (before, after)
+
+
+def test_launcher_options_after_the_script_are_named_when_workers_is_missing(
+    tmp_path, capfd):
+  """`diststrat-run train.py --workers 2`: the error says that --workers went to the
+  script (it said only that --workers is required)."""
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  with pytest.raises(SystemExit) as info:
+    launcher.run([str(script), "--workers=2", "--ps", "1"])
+  assert info.value.code == 2
+  err = capfd.readouterr().err
+  assert "error: the following arguments are required: --workers" in err
+  assert (f"--workers=2 comes after the script ({str(script)!r}), so it is one of the "
+          "script's arguments: put the launcher's options before the script, as in "
+          "diststrat-run --workers 2 train.py --epochs=3") in err, err
+
+
 @pytest.mark.parametrize("args, match", [
     (["--task-index", "1"], "--task-index applies to a job across machines"),
     (["--hosts", "a,b", "--task-index", "2"], "Received: --task-index 2"),
