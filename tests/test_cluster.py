@@ -886,6 +886,28 @@ def test_local_cluster_errors_and_cleanup(tmp_path):
     cluster.start()
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_a_bad_signal_is_refused_and_a_dead_fork_server_hides_no_error_of_the_body():
+  """`kill(..., sig=-9)` killed the cluster's fork server (its os.kill raised), and a
+  cluster whose fork server had died raised `BrokenPipeError` on leaving its `with`
+  block, in place of the body's exception (and left the rest of `stop()` undone)."""
+  from diststrat.cluster import _local_cluster  # pylint: disable=g-import-not-at-top
+  with pytest.raises(KeyError, match="the body's error"):
+    with LocalCluster(num_ps=1, num_workers=1) as cluster:
+      for sig in (-9, 0, 12345, "SIGKILL", True, 9.0):
+        with pytest.raises(ValueError, match=r"sig must be a signal of this system, such "
+                                             r"as signal.SIGKILL \(the default\) or "
+                                             rf"signal.SIGSTOP. Received: sig={sig!r}"):
+          cluster.kill("ps", 0, sig)
+      assert cluster.exit_status("ps", 0) is None  # The PS and its fork server live on.
+      # The fork server dies (the OOM killer, say); its children die with it.
+      os.kill(_local_cluster.shared_fork_server_pid() or cluster._forkserver.pid,
+              signal.SIGKILL)
+      raise KeyError("the body's error")
+  assert repr(cluster).endswith("stopped)")
+
+
 # --- in this process: argument checks and the building blocks ----------------------------
 
 

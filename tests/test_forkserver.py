@@ -114,3 +114,27 @@ def test_a_stopped_server_refuses_work():
   assert not _alive(child.pid)
   with pytest.raises(_forkserver.ForkServerError, match="The fork server is stopped"):
     server.spawn("pass")
+
+
+def test_a_server_that_died_is_named_by_every_request():
+  """A request to a fork server that died raised `BrokenPipeError` from the pipe (so a
+  `LocalCluster` leaving its `with` block raised it in place of the body's exception):
+  it raises `ForkServerError` saying so. A bad request is refused, not fatal to it."""
+  server = _forkserver.ForkServer().start(timeout=120)
+  try:
+    child = server.spawn("import time; time.sleep(600)")
+    with pytest.raises(_forkserver.ForkServerError, match="could not signal"):
+      child.send_signal(-9)  # No such signal: the server stays up.
+    assert child.poll() is None
+    server._process.kill()  # pylint: disable=protected-access
+    server._process.wait(10)  # pylint: disable=protected-access
+    for request in (child.poll, child.kill, lambda: server.spawn("pass")):
+      with pytest.raises(_forkserver.ForkServerError,
+                         match=r"The fork server (exited while asked|was killed)"):
+        request()
+  finally:
+    server.close()
+  deadline = time.monotonic() + 15
+  while _alive(child.pid) and time.monotonic() < deadline:  # The death signal.
+    time.sleep(0.05)
+  assert not _alive(child.pid)

@@ -158,9 +158,8 @@ class ForkServer:
     fds = {1: 1, 2: 2, **(fds or {})}
     with self._lock:
       conn, process = self._check_alive()
-      conn.send(("spawn", code, ["-c"] + list(argv), env, cwd, list(fds), prologue))
-      for source in fds.values():
-        reduction.send_handle(conn, source, process.pid)
+      self._send(("spawn", code, ["-c"] + list(argv), env, cwd, list(fds), prologue),
+                 "to fork", [(source, process.pid) for source in fds.values()])
       answer = self._receive(_ANSWER_TIMEOUT, "to fork")
     if answer[0] != "spawned":
       raise ForkServerError(f"The fork server could not fork: {answer[1]}")
@@ -187,10 +186,24 @@ class ForkServer:
 
   def _request(self, *request):
     with self._lock:
-      conn, _ = self._check_alive()
-      conn.send(request)
+      self._check_alive()
+      self._send(request, f"to {request[0]}")
       answer = self._receive(_ANSWER_TIMEOUT, f"to {request[0]}")
+    if answer[0] == "failed":
+      raise ForkServerError(f"The fork server could not {request[0]} as asked "
+                            f"{request[1:]!r}: {answer[1]}")
     return answer[1]
+
+  def _send(self, request, what, handles=()):
+    """Sends `request` (then each (fd, server pid) of `handles`); a server that died
+    raises `ForkServerError`, as in `_receive`."""
+    try:
+      self._conn.send(request)
+      for fd, pid in handles:
+        reduction.send_handle(self._conn, fd, pid)
+    except OSError as e:  # BrokenPipeError: the server is gone.
+      raise ForkServerError(f"The fork server exited while asked {what} "
+                            f"({_describe(self._process)}).") from e
 
   def _check_alive(self) -> "tuple[connection.Connection, subprocess.Popen]":
     """The connection to the running server and its process; raises once stopped."""
@@ -264,9 +277,12 @@ def serve() -> None:
     elif kind == "poll":
       answer = ("status", _reap(children, request[1], os.WNOHANG))
     elif kind == "signal":
-      if _reap(children, request[1], os.WNOHANG) is None:
-        os.kill(request[1], request[2])  # Not reaped: the pid is still this child's.
       answer = ("done", None)
+      if _reap(children, request[1], os.WNOHANG) is None:
+        try:
+          os.kill(request[1], request[2])  # Not reaped: the pid is still this child's.
+        except (OSError, OverflowError) as e:  # No such signal: the server stays up.
+          answer = ("failed", str(e))
     else:
       answer = ("failed", f"unknown request {kind!r}")
     conn.send(answer)

@@ -494,8 +494,11 @@ class LocalCluster:
     `run_on_workers` raise `ClusterError` naming it, unless it is restarted first.
 
     Raises:
-      ValueError: no such task, or a worker task while no `run_on_workers` runs.
+      ValueError: no such task or signal, or a worker task while no `run_on_workers` runs.
     """
+    if isinstance(sig, bool) or not isinstance(sig, int) or sig not in signal.valid_signals():
+      raise ValueError(f"sig must be a signal of this system, such as signal.SIGKILL (the "
+                       f"default) or signal.SIGSTOP. Received: sig={sig!r}")
     child = self._child(task_type, task_id)
     child.signal(sig)
     if sig == signal.SIGKILL:
