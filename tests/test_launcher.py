@@ -407,6 +407,24 @@ def test_serve_needs_a_cluster(monkeypatch):
     ds.cluster.serve({"ps": ["127.0.0.1:1"]}, "chief", 0)
 
 
+def test_serve_on_a_taken_port_names_the_task_and_the_port(monkeypatch):
+  """A PS whose port another process holds (Slurm's default 8888 is Jupyter's) raised
+  TensorFlow's `UnknownError: Could not start gRPC server`, naming neither."""
+  import diststrat as ds  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+  with socket.socket() as taken:
+    taken.bind(("", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    with pytest.raises(ds.errors.ClusterError, match=(
+        rf"Cannot start the TensorFlow server of /job:ps/replica:0/task:0 at "
+        rf"127.0.0.1:{port}: another process holds port {port} \(Address already in "
+        r"use\)\. Stop that process, or give the task another port \(cluster_spec; "
+        r"DISTSTRAT_SLURM_PORT_BASE under Slurm; --port-base with diststrat-run\)")) as info:
+      ds.cluster.serve({"ps": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1:1"]}, "ps", 0)
+  assert info.value.task == "/job:ps/replica:0/task:0"
+
+
 def _run_tasks(script, environs, cwd, timeout=JOB_TIMEOUT):
   """Starts one process of `script` per environment at once (as srun does); waits."""
   marker = uuid.uuid4().hex

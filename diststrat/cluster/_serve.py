@@ -13,6 +13,7 @@ import time
 
 from diststrat._tf import tf
 from diststrat import _arguments
+from diststrat import errors
 from diststrat._cluster_runtime import _cluster_spec
 from diststrat._cluster_runtime import _exposure
 from diststrat.cluster._task import READY_FD_ENV
@@ -57,9 +58,17 @@ def warm_up(cluster_spec: dict, task_id: int, port: int) -> None:
 
 def start_server(cluster_spec: dict, task_type: str, task_id: int,
                  warm_up_port: int | None = None) -> tf.distribute.Server:
-  """Starts the TensorFlow server of a task (warmed up if a PS) and says who can reach it."""
-  server = tf.distribute.Server(tf.train.ClusterSpec(cluster_spec), job_name=task_type,
-                                task_index=task_id, protocol="grpc", start=True)
+  """Starts the TensorFlow server of a task (warmed up if a PS) and says who can reach it.
+
+  Raises:
+    ClusterError: another process holds the task's port.
+  """
+  try:
+    server = tf.distribute.Server(tf.train.ClusterSpec(cluster_spec), job_name=task_type,
+                                  task_index=task_id, protocol="grpc", start=True)
+  except tf.errors.OpError as e:  # "Could not start gRPC server": say which and why.
+    _raise_if_port_taken(task_name(task_type, task_id), cluster_spec[task_type][task_id], e)
+    raise
   if task_type != "ps":
     _exposure.server_started(task_name(task_type, task_id),
                              cluster_spec[task_type][task_id])
@@ -70,6 +79,24 @@ def start_server(cluster_spec: dict, task_type: str, task_id: int,
                            warm_up_port=port)
   warm_up(cluster_spec, task_id, port)
   return server
+
+
+def _raise_if_port_taken(task, address, error):
+  """Raises `ClusterError` from `error` if another process holds the port of `address`
+  (TensorFlow's servers bind it on every interface)."""
+  port = int(address.rsplit(":", 1)[1])
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # As a server binds.
+    try:
+      sock.bind(("", port))
+      return
+    except OSError as e:
+      why = e.strerror
+  raise errors.ClusterError(
+      f"Cannot start the TensorFlow server of {task} at {address}: another process holds "
+      f"port {port} ({why}). Stop that process, or give the task another port "
+      "(cluster_spec; DISTSTRAT_SLURM_PORT_BASE under Slurm; --port-base with "
+      "diststrat-run).", task=task) from error
 
 
 def _worker_answers(address: str) -> bool:
@@ -135,6 +162,7 @@ def serve(cluster_spec: dict | None = None, task_type: str | None = None,
   Raises:
     ValueError: no task is given and the environment names none, the task is not in
       the cluster spec, or `workers_gone_for` is not a positive number of seconds.
+    ClusterError: another process holds the task's port (naming the task and port).
   """
   if workers_gone_for is not None:
     workers_gone_for = _arguments.seconds("workers_gone_for", workers_gone_for)
