@@ -19,9 +19,10 @@ docs/launch.md.
 This module is the command line only: it checks the arguments and hands a `JobPlan` to
 `cluster/_job.py`, which runs the job through the process layer (`cluster/_processes.py`,
 shared with `LocalCluster`). Nothing outlives the launcher: each task runs in its own
-process group, which the launcher kills when the job ends, on Ctrl-C (SIGINT) and on
-SIGTERM; and each task asks Linux to kill it when the launcher dies, so a launcher
-killed with SIGKILL takes its tasks with it.
+process group, which the launcher kills when the job ends, on Ctrl-C (SIGINT), on
+SIGTERM and on SIGHUP (unless ignored, as under nohup); and each task asks Linux to
+kill it when the launcher dies, so a launcher killed with SIGKILL takes its tasks with
+it.
 
 Security (docs/security.md): TensorFlow's servers listen on every interface and run any
 graph any client sends. On one machine the job's processes run in a private network
@@ -48,7 +49,7 @@ DEFAULT_START_TIMEOUT = 120.0
 DEFAULT_PORT_BASE = 8888
 RESTART_COUNT_ENV = _job.RESTART_COUNT_ENV
 _USAGE_ERROR = _job.USAGE_ERROR
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_STOP_SIGNALS = _job.STOP_SIGNALS
 
 
 # --- the command line ---
@@ -232,7 +233,9 @@ def run(argv: list | None = None) -> int:
       stopping.append(signum)
       raise _job.Interrupted(signum)
 
-  previous = {sig: signal.signal(sig, interrupt) for sig in _STOP_SIGNALS}
+  # A SIGHUP that the launcher inherits ignored (`nohup`) stays ignored.
+  previous = {sig: signal.signal(sig, interrupt) for sig in _STOP_SIGNALS
+              if not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN)}
   try:
     return _job.run_job(options.plan())
   except _job.Interrupted as e:

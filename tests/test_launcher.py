@@ -891,11 +891,12 @@ def test_a_second_job_on_the_same_port_base_is_refused(tmp_path):
 # --- signals to the launcher --------------------------------------------------------------
 
 
-def _start_and_wait_ready(args, cwd, marker, count):
-  """Starts the launcher; returns it once `count` tasks printed "ready"."""
+def _start_and_wait_ready(args, cwd, marker, count, **popen):
+  """Starts the launcher (`popen`: more arguments of Popen); returns it once `count`
+  tasks printed "ready"."""
   launcher_process = subprocess.Popen(
       [sys.executable, "-m", "diststrat.run", *args], cwd=cwd, env=_env(marker),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
   ready = 0
   deadline = time.monotonic() + JOB_TIMEOUT
   lines = []
@@ -935,6 +936,44 @@ def test_a_signalled_launcher_leaves_nothing_behind(tmp_path, sig, ps):
 
 
 # --- logs, timeouts, the summary of a failed job, output as the tasks wrote it ---------
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.processes
+def test_sighup_stops_the_job_and_what_its_tasks_started_unless_ignored_as_under_nohup(
+    tmp_path):
+  """SIGHUP (the terminal or ssh session closed) killed the launcher outright: its tasks
+  died of their death signal, but a process a task had started lived on. It stops the
+  job as SIGTERM does (status 129); a launcher that inherits SIGHUP ignored (`nohup`)
+  keeps ignoring it."""
+  script = _write(tmp_path, "parent.py", """
+      import subprocess, sys
+      child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+      print("ready", child.pid, flush=True)
+      child.wait()
+      """)
+  marker = uuid.uuid4().hex
+  nohup = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # noqa: E731
+  process = _start_and_wait_ready(["--workers", "1", str(script)], tmp_path, marker, 1,
+                                  preexec_fn=nohup)
+  try:
+    process.send_signal(signal.SIGHUP)  # Ignored, as under nohup.
+    time.sleep(0.5)
+    assert process.poll() is None
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    _assert_none_left(marker, wait=15)
+    process = _start_and_wait_ready(["--workers", "1", str(script)], tmp_path, marker, 1)
+    process.send_signal(signal.SIGHUP)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGHUP, err
+    assert "stopped by SIGHUP; every task was stopped" in err
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.wait(10)
+  _assert_none_left(marker, wait=15)
 
 
 @pytest.mark.processes

@@ -4,7 +4,7 @@
 first, then the workers, each a `python -c` process with `TF_CONFIG` for its task),
 copies their output to this process's, prefixed with the task's name, and waits for the
 workers. It stops every task when a worker fails, when a parameter server dies, and on
-SIGINT/SIGTERM, and starts the job again after a failure, up to `plan.max_restarts`
+SIGINT/SIGTERM/SIGHUP, and starts the job again after a failure, up to `plan.max_restarts`
 times. Processes are started, signalled and described by the process layer
 (`_processes.py`): each task runs its prologue first (it dies with this process), in a
 process group of its own that `stop` kills whole.
@@ -39,7 +39,8 @@ JOB_MARK_ENV = "DISTSTRAT_JOB_MARK"
 start: when the attempt ends, the launcher stops the processes that still carry it."""
 _GRACE = 5.0  # Seconds between SIGTERM and SIGKILL when a task is stopped.
 _POLL = 0.05
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that stop the job (SIGHUP: the terminal or ssh session closed)."""
 USAGE_ERROR = 2
 TIMEOUT_STATUS = 124
 """The exit status of a job stopped by --job-timeout or --heartbeat-timeout (as timeout(1))."""
@@ -54,7 +55,7 @@ class LaunchError(Exception):
 
 
 class Interrupted(BaseException):
-  """The launcher received SIGINT or SIGTERM."""
+  """The launcher received SIGINT, SIGTERM or SIGHUP."""
 
   def __init__(self, signum):
     super().__init__(signum)
@@ -504,8 +505,8 @@ def _claim_ports(plan, network):
 
 def run_job(plan: JobPlan) -> int:
   """Runs the job (restarts included) until its workers are done; returns the launcher's
-  exit status. Raises `Interrupted` once every task is stopped after SIGINT/SIGTERM
-  (the caller's signal handlers raise it)."""
+  exit status. Raises `Interrupted` once every task is stopped after a signal of
+  `STOP_SIGNALS` (the caller's signal handlers raise it)."""
   network = _network(plan)
   claims: List[socket.socket] = []
   deadline = (None if plan.job_timeout is None else
@@ -520,8 +521,8 @@ def run_job(plan: JobPlan) -> int:
       except LaunchError as e:  # A bad launch: starting again would fail the same way.
         failure = _Failure(None, e.status, str(e), restart=False)
       finally:
-        # SIGINT/SIGTERM wait until every task is stopped, then interrupt.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        # SIGINT/SIGTERM/SIGHUP wait until every task is stopped, then interrupt.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
           job.stop()
         finally:
