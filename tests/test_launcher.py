@@ -418,8 +418,8 @@ def test_serve_on_a_taken_port_names_the_task_and_the_port(monkeypatch):
     port = taken.getsockname()[1]
     with pytest.raises(ds.errors.ClusterError, match=(
         rf"Cannot start the TensorFlow server of /job:ps/replica:0/task:0 at "
-        rf"127.0.0.1:{port}: another process holds port {port} \(Address already in "
-        r"use\)\. Stop that process, or give the task another port \(cluster_spec; "
+        rf"127.0.0.1:{port}: port {port} is taken \(Address already in use\)\. Stop "
+        r"what listens there, or give the task another port \(cluster_spec; "
         r"DISTSTRAT_SLURM_PORT_BASE under Slurm; --port-base with diststrat-run\)")) as info:
       ds.cluster.serve({"ps": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1:1"]}, "ps", 0)
   assert info.value.task == "/job:ps/replica:0/task:0"

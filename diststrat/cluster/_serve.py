@@ -82,7 +82,7 @@ def start_server(cluster_spec: dict, task_type: str, task_id: int,
 
 
 def _raise_if_port_taken(task, address, error):
-  """Raises `ClusterError` from `error` if another process holds the port of `address`
+  """Raises `ClusterError` from `error` if something listens on the port of `address`
   (TensorFlow's servers bind it on every interface)."""
   port = int(address.rsplit(":", 1)[1])
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -93,8 +93,8 @@ def _raise_if_port_taken(task, address, error):
     except OSError as e:
       why = e.strerror
   raise errors.ClusterError(
-      f"Cannot start the TensorFlow server of {task} at {address}: another process holds "
-      f"port {port} ({why}). Stop that process, or give the task another port "
+      f"Cannot start the TensorFlow server of {task} at {address}: port {port} is taken "
+      f"({why}). Stop what listens there, or give the task another port "
       "(cluster_spec; DISTSTRAT_SLURM_PORT_BASE under Slurm; --port-base with "
       "diststrat-run).", task=task) from error
 
