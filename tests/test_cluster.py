@@ -900,7 +900,9 @@ def test_a_bad_signal_is_refused_and_a_dead_fork_server_hides_no_error_of_the_bo
                                              r"as signal.SIGKILL \(the default\) or "
                                              rf"signal.SIGSTOP. Received: sig={sig!r}"):
           cluster.kill("ps", 0, sig)
-      assert cluster.exit_status("ps", 0) is None  # The PS and its fork server live on.
+      # The PS and its fork server live on. A numpy integer is a task id too (it was
+      # refused: "task_id must be from 0 to 0 ... Received: task_id=np.int64(0)").
+      assert cluster.exit_status("ps", np.int64(0)) is None
       # The fork server dies (the OOM killer, say); its children die with it.
       os.kill(_local_cluster.shared_fork_server_pid() or cluster._forkserver.pid,
               signal.SIGKILL)
@@ -909,6 +911,19 @@ def test_a_bad_signal_is_refused_and_a_dead_fork_server_hides_no_error_of_the_bo
 
 
 # --- in this process: argument checks and the building blocks ----------------------------
+
+
+def test_local_cluster_takes_numpy_integers():
+  """`LocalCluster(num_workers=np.int64(2))` was refused: "num_workers must be a positive
+  integer. Received: num_workers=np.int64(2)"."""
+  cluster = LocalCluster(num_ps=np.int64(0), num_workers=np.int64(2),
+                         cpus_per_worker=np.int32(2))
+  assert (cluster.num_ps, cluster.num_workers) == (0, 2)
+  assert type(cluster.num_workers) is int  # pylint: disable=unidiomatic-typecheck
+  assert repr(cluster) == "LocalCluster(num_ps=0, num_workers=2, new)"
+  with pytest.raises(ValueError, match="num_workers must be a positive integer. Received: "
+                                       "num_workers=np.float64"):
+    LocalCluster(num_workers=np.float64(2))
 
 
 @pytest.mark.parametrize("spec, kwargs, message", [

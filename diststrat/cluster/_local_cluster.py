@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import atexit
 import ipaddress
 import logging
+import numbers
 import os
 import pickle
 import signal
@@ -150,6 +151,11 @@ def _check_strategy_kwargs(strategy_kwargs):
         "strategy the cluster's spec and the worker's own task. Received: "
         f"strategy_kwargs={strategy_kwargs!r}. Leave them out.")
   return dict(strategy_kwargs)
+
+
+def _is_int(value):
+  """Whether `value` is an integer (a numpy one too), not a bool."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_loopback(host):
@@ -369,19 +375,17 @@ class LocalCluster:
                isolate: Optional[bool] = None) -> None:
     # Every argument is checked here, before any process starts.
     for name, value, least in (("num_ps", num_ps, 0), ("num_workers", num_workers, 1)):
-      if not isinstance(value, int) or isinstance(value, bool) or value < least:
+      if not _is_int(value) or value < least:
         kind = "a non-negative" if least == 0 else "a positive"
         raise ValueError(f"{name} must be {kind} integer. Received: {name}={value!r}")
-    if cpus_per_worker is not None and (
-        not isinstance(cpus_per_worker, int) or isinstance(cpus_per_worker, bool)
-        or cpus_per_worker < 1):
+    if cpus_per_worker is not None and (not _is_int(cpus_per_worker) or cpus_per_worker < 1):
       raise ValueError(
           "cpus_per_worker must be a positive integer (the logical CPU devices, so towers, "
           "of each worker process), or None for TensorFlow's default of one. Received: "
           f"cpus_per_worker={cpus_per_worker!r}")
-    self.num_ps = num_ps
-    self._cpus_per_worker = cpus_per_worker
-    self.num_workers = num_workers
+    self.num_ps = int(num_ps)
+    self._cpus_per_worker = None if cpus_per_worker is None else int(cpus_per_worker)
+    self.num_workers = int(num_workers)
     self._strategy_kwargs = _check_strategy_kwargs(strategy_kwargs)
     self._start_timeout = _arguments.seconds("start_timeout", start_timeout,
                                              allow_none=False)
@@ -518,6 +522,7 @@ class LocalCluster:
     if task_type == "ps":
       with self._processes_lock:
         old = self._child(task_type, task_id)
+        task_id = int(task_id)  # A numpy integer, say: checked by `_child`.
         old.stop()
         self._ps[task_id] = None
       child = self._start_ps(task_id)
@@ -533,7 +538,7 @@ class LocalCluster:
       self._child(task_type, task_id)  # Checks the task, and that a run is running.
       run = self._run
       assert run is not None  # `_child` raised otherwise.
-      run.restart(task_id)
+      run.restart(int(task_id))
 
   def run_on_workers(self, fn: Callable[..., Any], strategy: Optional[str] = None,
                      **kwargs: Any) -> list:
@@ -635,9 +640,10 @@ class LocalCluster:
         raise ValueError(f"task_type must be 'ps' or 'worker'. Received: "
                          f"task_type={task_type!r}")
       count = self.num_ps if task_type == "ps" else self.num_workers
-      if not isinstance(task_id, int) or not 0 <= task_id < count:
+      if not _is_int(task_id) or not 0 <= task_id < count:
         raise ValueError(f"task_id must be from 0 to {count - 1} for the {task_type!r} job "
                          f"of {self!r}. Received: task_id={task_id!r}")
+      task_id = int(task_id)
       if task_type == "ps":
         child = self._ps[task_id]
         if child is None:
