@@ -609,6 +609,32 @@ def test_parameter_server_job_shares_variables(tmp_path):
 
 @pytest.mark.processes
 @pytest.mark.timeout(90)
+def test_a_worker_that_joins_late_on_one_host_keeps_its_parameter_server(tmp_path):
+  """On one host the launcher stops the PS tasks itself once the workers are done. Their
+  own watch (`serve()`'s, for jobs across hosts) ended a PS 10 s after worker 0 left,
+  while worker 1 had not yet connected (preparing its data, or importing TensorFlow on a
+  loaded machine), and the job failed: "Parameter server ps:0 exited with code 0 while
+  the workers ran"."""
+  script = _write(tmp_path, "late.py", """
+      import json, os, socket, time
+      config = json.loads(os.environ["TF_CONFIG"])
+      index = config["task"]["index"]
+      if index == 0:  # Answers at its address for a moment, as a strategy's server does.
+        port = int(config["cluster"]["worker"][0].rsplit(":", 1)[1])
+        with socket.create_server(("", port)):
+          time.sleep(0.75)
+      else:
+        time.sleep(13)  # More than serve()'s 10 s after worker 0 left.
+      print("worker", index, "done", flush=True)
+      """)
+  proc = _launch(["--ps", "1", "--workers", "2", str(script)], tmp_path, timeout=80)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "[worker:1] worker 1 done" in proc.stdout
+  assert "parameter server /job:ps/replica:0/task:0 stops" not in proc.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
 def test_a_bad_launch_is_not_restarted(tmp_path):
   """--max-restarts restarts a job whose task failed; a launch that cannot start (here a
   log file that is a directory) fails once, saying so, without a traceback."""

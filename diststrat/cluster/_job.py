@@ -340,7 +340,8 @@ class _Job:
     deadline = time.monotonic() + plan.start_timeout
     for task_type, task_id in mine:
       if task_type == "ps":
-        code, tail = prologue + _task.SERVE_CODE, []
+        serve = _task.SERVE_CODE if plan.across_hosts else _task.SERVE_UNTIL_STOPPED_CODE
+        code, tail = prologue + serve, []
       else:
         code, tail = prologue + _task.WORKER_CODE, [plan.script] + plan.script_args
       task = _Task(task_type, task_id, self._environment(spec, task_type, task_id),

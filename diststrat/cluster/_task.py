@@ -9,7 +9,11 @@ with the launcher; then
   imported only then) and runs the program as `__main__`, as `python script.py args`
   would (`sys.argv`, `sys.path[0]`, a traceback that starts at the script); diststrat
   itself is not imported, so a program that does not use it runs as it would alone;
-- a PS task (`SERVE_CODE`) runs `diststrat.cluster.serve()`.
+- a PS task runs `diststrat.cluster.serve()`: in a job across hosts (`SERVE_CODE`), it
+  ends once every worker of the job has ended; on one host (`SERVE_UNTIL_STOPPED_CODE`),
+  it serves until the launcher stops it, once this host's workers (all of the job's)
+  are done. Its own watch would end it while a worker still starting has not yet
+  connected, 10 s after the others left.
 """
 
 READY_FD_ENV = "DISTSTRAT_READY_FD"
@@ -64,6 +68,8 @@ WORKER_CODE = (
     "  _s.exit(1)\n")
 
 SERVE_CODE = "from diststrat.cluster import _serve\n_serve.serve()\n"
+SERVE_UNTIL_STOPPED_CODE = (
+    "from diststrat.cluster import _serve\n_serve.serve(workers_gone_for=None)\n")
 
 
 def split_cpu(count: int | None) -> None:
