@@ -61,7 +61,7 @@ def start_server(cluster_spec: dict, task_type: str, task_id: int,
   """Starts the TensorFlow server of a task (warmed up if a PS) and says who can reach it.
 
   Raises:
-    ClusterError: another process holds the task's port.
+    ClusterError: the task's port is taken.
   """
   try:
     server = tf.distribute.Server(tf.train.ClusterSpec(cluster_spec), job_name=task_type,
@@ -162,7 +162,7 @@ def serve(cluster_spec: dict | None = None, task_type: str | None = None,
   Raises:
     ValueError: no task is given and the environment names none, the task is not in
       the cluster spec, or `workers_gone_for` is not a positive number of seconds.
-    ClusterError: another process holds the task's port (naming the task and port).
+    ClusterError: the task's port is taken (naming the task and port).
   """
   if workers_gone_for is not None:
     workers_gone_for = _arguments.seconds("workers_gone_for", workers_gone_for)
