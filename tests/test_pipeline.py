@@ -4,6 +4,7 @@ Every result is compared with the same layers applied one after the other on one
 (or with numpy / a brute-force search): outputs, gradients, training, data x pipeline.
 """
 
+import contextlib
 import functools
 import itertools
 import json
@@ -339,6 +340,34 @@ def test_recompute_replays_dropout_and_updates_moving_statistics_once(mode, part
   for a, b in zip(g2 + s2, g1 + s1, strict=True):
     np.testing.assert_allclose(a, b, **TOL)
   assert not np.allclose(s1[1], initial[1])  # The moving mean did move.
+
+
+@pytest.mark.parametrize("strategy", [False, True], ids=["no_strategy", "mirrored"])
+def test_seed_states_of_nested_layers_are_placed_on_their_stage(strategy):
+  """An LSTM's seed state is its cell's, a Dropout's in a Sequential the Sequential's
+  sublayer's: GPipe moved only a layer's own, and refused these as "built before"."""
+  keras.utils.set_random_seed(11)
+  layers = [keras.layers.Dense(4),
+            keras.Sequential([keras.layers.Dense(6), keras.layers.Dropout(0.5, seed=2)]),
+            keras.layers.Reshape((3, 2)), keras.layers.LSTM(3), keras.layers.Dense(2)]
+  if strategy:
+    scope = ds.MirroredStrategy(CPUS[:2]).scope()
+    devices = {CPUS[0]: CPUS[:1], CPUS[1]: CPUS[1:2]}
+    partition = [5]
+  else:
+    scope = contextlib.nullcontext()
+    devices, partition = CPUS[:2], [1, 4]
+  with scope:
+    pipe = GPipe(layers, devices=devices, partition=partition)
+    pipe.build((BATCH, FEATURES))
+  stage = 0 if strategy else 1
+  for layer in pipe.stages[stage]:
+    for v in layer.non_trainable_variables:
+      assert _devices.canonicalize(v.value.device) == CPUS[stage], v.path
+  if not strategy:
+    x = _input()
+    np.testing.assert_allclose(pipe(x, training=False), _sequential(layers, x, training=False),
+                               **TOL)
 
 
 def test_persistent_tape_and_tape_outside_the_function():

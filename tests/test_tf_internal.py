@@ -280,6 +280,10 @@ def test_keras_seed_generators():
       "keras_seed_generators", f"Keras {keras.__version__} layers track no _seed_generators")
   assert generators[0].state is dropout.non_trainable_variables[0]
   assert _tf_internal.keras_seed_generators(keras.layers.Dense(2)) == []
+  nested = keras.Sequential([keras.layers.Dense(2), dropout, keras.layers.LSTM(2)])
+  found = _tf_internal.keras_seed_generators(nested)
+  assert found[0] is generators[0] and len(found) == 2, _broke(
+      "keras_seed_generators", f"Keras {keras.__version__} layers have no _flatten_layers")
   assert _tf_internal.keras_seed_generators(tf.Module()) == []
 
 

@@ -38,9 +38,18 @@ def keras_backing_variable(value):
 
 
 def keras_seed_generators(layer):
-  """The `SeedGenerator`s a Keras 3 layer made (Dropout's, GaussianNoise's, ...), which
-  it tracks without a public accessor; [] for anything else."""
-  return list(getattr(layer, "_seed_generators", None) or ())
+  """The `SeedGenerator`s a Keras 3 layer and its sublayers made (Dropout's,
+  GaussianNoise's, an LSTM's cell's, those of a nested model's layers, ...), which Keras
+  tracks per layer without a public accessor; [] for anything else."""
+  flatten = getattr(layer, "_flatten_layers", None)
+  layers = list(flatten(include_self=True, recursive=True)) if flatten else [layer]
+  generators, seen = [], set()
+  for sublayer in layers:
+    for generator in getattr(sublayer, "_seed_generators", None) or ():
+      if id(generator) not in seen:
+        seen.add(id(generator))
+        generators.append(generator)
+  return generators
 
 
 def keras_optimizer_step_count(optimizer):
