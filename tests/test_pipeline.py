@@ -390,6 +390,37 @@ def test_persistent_tape_and_tape_outside_the_function():
     np.testing.assert_allclose(g, e, **TOL)
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_gradient_of_a_gradient(recompute, mode):
+  """A gradient penalty: the gradient of |d loss / d x|^2. With recompute=True the
+  backward pass recomputed each stage from an input the outer tape had not seen: every
+  stage but the last lost the terms through later stages' inputs (wrong, no error)."""
+  layers, sizes = _shared(3)
+  pipe = GPipe(layers, devices=CPUS[:3], num_micro_batches=2, recompute=recompute,
+               partition=sizes)
+  x = _input(seed=4)
+
+  def penalty(fn):
+    with tf.GradientTape(persistent=True) as outer:
+      outer.watch(x)
+      with tf.GradientTape() as inner:
+        inner.watch(x)
+        y = fn(x)
+        loss = tf.reduce_sum(tf.sin(y) * y)
+      d_x = inner.gradient(loss, x)
+      penalty = tf.reduce_sum(tf.square(d_x))
+    return [d_x] + outer.gradient(penalty, pipe.trainable_variables + [x])
+
+  step = functools.partial(penalty, lambda t: pipe(t, training=True))
+  if mode == "function":
+    step = tf.function(step)
+  expected = penalty(functools.partial(_sequential, layers))
+  got = step()
+  for g, e in zip(got, expected, strict=True):
+    np.testing.assert_allclose(g, e, **TOL)
+
+
 def test_checkpoint_restores_into_another_stage_count(tmp_path):
   two = GPipe(_make_layers(seed=1), devices=CPUS[:2], num_micro_batches=2)
   two.build((BATCH, FEATURES))

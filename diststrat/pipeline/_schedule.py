@@ -111,36 +111,56 @@ def run(stages, x, num_micro_batches, recompute, name="gpipe"):
     cells = _Cells()
     pause = _tf_internal.stop_recording() if (recompute or not recording) else contextlib.nullcontext()
     with pause:
-      for k, s in forward_order(num_micro_batches, num_stages):
-        stage = stages[s]
-        inp = micro_batches[k] if s == 0 else cells.outputs[k, s - 1]
-        after = [cells.outputs[k - 1, s]] if k > 0 else []
-        with stage.scope(f"forward/stage_{s}/micro_batch_{k}"), _after(after):
-          if recording and stage.state:
-            cells.states[k, s] = [tf.identity(v) for v in stage.state]
-          if recording and not recompute:
-            tape = tf.GradientTape()
-            with tape:
-              if _differentiable(inp):
-                tape.watch(inp)
-              tape.watch(stage.variables)
-              y = stage.fn(inp)
-            _check_declared(stage, tape)
-            cells.tapes[k, s] = tape
-          else:
-            y = stage.fn(inp)
-        cells.inputs[k, s] = inp
-        cells.outputs[k, s] = y
+      _forward(stages, micro_batches, cells, keep_state=recording,
+               keep_tapes=recording and not recompute)
       with tf.device(stages[-1].device):
         result = _concat([cells.outputs[k, num_stages - 1] for k in range(num_micro_batches)])
     if not recording:
       return result
 
     def backward(d_result):
+      if recompute and _tf_internal.should_record([d_result, x] + reads):
+        # The backward pass is itself recorded (a gradient of a gradient): the tapes
+        # must see every cell's input come from x and the variables, which the paused
+        # forward pass hid from them. Run the forward again, recorded, keeping tapes.
+        with tf.name_scope(name + "_rematerialize"):
+          _forward(stages, _split(x, num_micro_batches), cells, keep_state=False,
+                   keep_tapes=True, replay=True)
       return _backward(stages, cells, d_result, x, num_micro_batches, name)
 
     _tf_internal.record_backward("GPipe", [result], [x] + reads, backward)
     return result
+
+
+def _forward(stages, micro_batches, cells, keep_state, keep_tapes, replay=False):
+  """Runs every cell forward in clock order, filling `cells`.
+
+  Args:
+    keep_state: keep each cell's stage state values from before the cell.
+    keep_tapes: record each cell on its own tape (kept for the backward pass).
+    replay: start each cell from the state kept for it, and leave the state as found.
+  """
+  for k, s in forward_order(len(micro_batches), len(stages)):
+    stage = stages[s]
+    inp = micro_batches[k] if s == 0 else cells.outputs[k, s - 1]
+    after = [cells.outputs[k - 1, s]] if k > 0 else []
+    with stage.scope(f"forward/stage_{s}/micro_batch_{k}"), _after(after):
+      if keep_state and stage.state:
+        cells.states[k, s] = [tf.identity(v) for v in stage.state]
+      with _replayed_state(stage, cells.states.get((k, s)) if replay else None):
+        if keep_tapes:
+          tape = tf.GradientTape()
+          with tape:
+            if _differentiable(inp):
+              tape.watch(inp)
+            tape.watch(stage.variables)
+            y = stage.fn(inp)
+          _check_declared(stage, tape)
+          cells.tapes[k, s] = tape
+        else:
+          y = stage.fn(inp)
+    cells.inputs[k, s] = inp
+    cells.outputs[k, s] = y
 
 
 class _Cells:
