@@ -146,6 +146,23 @@ def test_partition_is_deterministic():
   assert partition(costs, 3) == partition(list(costs), 3)
 
 
+def test_partition_breaks_ties_as_documented():
+  """Among optimal cuts: the last stage as short as possible, then the one before it...
+  The cut chose the last stage's start for the best cut of the rest alone, so e.g.
+  [1.7, 1.9, 1.2, 8.2] in 3 stages gave [1, 2, 1], not [2, 1, 1]."""
+  assert partition([1.7, 1.9, 1.2, 8.2], 3) == [2, 1, 1]
+  rng = random.Random(17)
+  for _ in range(300):
+    n = rng.randint(1, 8)
+    num_stages = rng.randint(1, n)
+    costs = [rng.choice([0, 1, 2, 3, 5]) for _ in range(n)]
+    best = _brute_force(costs, num_stages)
+    cuts = [np.diff((0,) + cut + (n,)).tolist()
+            for cut in itertools.combinations(range(1, n), num_stages - 1)]
+    want = min((c for c in cuts if _max_stage(costs, c) == best), key=lambda c: c[::-1])
+    assert partition(costs, num_stages) == want, (costs, num_stages)
+
+
 @pytest.mark.parametrize("costs,num_stages,match", [
     ([1, 2], 3, r"between 1 and len\(costs\) stages.*Received: num_stages=3 for 2 costs"),
     ([1, 2], 0, r"Received: num_stages=0 for 2 costs"),

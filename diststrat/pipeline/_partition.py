@@ -49,25 +49,24 @@ def partition(costs: Sequence[float], num_stages: int) -> list[int]:
   num_stages = int(num_stages)
   n = len(costs)
   prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
-  # best[i]: the smallest possible largest stage cost of layers [0, i) cut into s stages.
-  best = prefix.copy()
-  cuts = []  # cuts[s - 2][i]: where the last of s stages starts in the best cut of [0, i).
+  # bests[s - 1][i]: the smallest possible largest stage cost of layers [0, i) cut into
+  # s stages (inf where i < s).
+  bests = [prefix.copy()]
   for s in range(2, num_stages + 1):
-    new_best = np.full(n + 1, np.inf)
-    starts = np.zeros(n + 1, dtype=np.int64)
+    best = np.full(n + 1, np.inf)
     for i in range(s, n + 1):
       j = np.arange(s - 1, i)  # The last stage is [j, i); the first s - 1 stages hold [0, j).
-      candidates = np.maximum(best[j], prefix[i] - prefix[j])
-      # Ties: the latest start, so the last stage is as short as an optimal cut allows.
-      k = len(j) - 1 - int(np.argmin(candidates[::-1]))
-      new_best[i] = candidates[k]
-      starts[i] = j[k]
-    best = new_best
-    cuts.append(starts)
+      best[i] = np.min(np.maximum(bests[-1][j], prefix[i] - prefix[j]))
+    bests.append(best)
+  optimum = bests[-1][n]
+  # Ties: the last stage as short as an optimal cut allows (the latest start whose prefix
+  # still fits in s - 1 stages within the optimum), then the stage before it, and so on.
   sizes = []
   end = n
   for s in range(num_stages, 1, -1):
-    start = int(cuts[s - 2][end])
+    j = np.arange(s - 1, end)
+    fits = np.maximum(bests[s - 2][j], prefix[end] - prefix[j]) <= optimum
+    start = int(j[np.nonzero(fits)[0][-1]])
     sizes.append(end - start)
     end = start
   sizes.append(end)
