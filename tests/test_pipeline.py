@@ -742,6 +742,22 @@ def test_layer_built_on_another_device():
   assert pipe(tf.ones([4, 3])).shape == (4, 2)
 
 
+def test_a_layer_used_on_two_stages():
+  """The same layer twice in the list: fine on one stage; on two, the error said the
+  layer "was built before" and to build it under its stage's device, which cannot help."""
+  keras.utils.set_random_seed(3)
+  shared = keras.layers.Dense(FEATURES, activation="tanh")
+  layers = [shared, _gelu, shared, _gelu]  # A stateless callable may be on any stage.
+  x = _input()
+  one_stage = GPipe(layers, devices=CPUS[:2], num_micro_batches=2, partition=[3, 1])
+  np.testing.assert_allclose(one_stage(x), _sequential(layers, x), **TOL)
+  assert len(one_stage.trainable_variables) == 2
+  split = GPipe(layers, devices=CPUS[:2], partition=[2, 2])
+  with pytest.raises(ValueError, match=r"layer 2 \('dense.*'\) is the same layer as layer 0 "
+                     r".*puts layer 0 on stage 0 and layer 2 on stage 1.*explicit partition"):
+    split.build((BATCH, FEATURES))
+
+
 def test_undeclared_variable():
   hidden = tf.Variable(2.0)
   match = (r"stage 0 reads the trainable variable 'Variable.*', which none of its layers "

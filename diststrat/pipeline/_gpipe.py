@@ -211,6 +211,7 @@ class GPipe(tf.Module):
     for a, b in self._ranges():
       part = costs[a:b]
       stage_costs.append(None if any(c is None for c in part) else float(sum(part)))
+    first_use = {}  # id(layer) -> (stage, index) of its first place in the list.
     for s, (a, b) in enumerate(self._ranges()):
       with _placement(strategy, columns[s]):
         for i in range(a, b):
@@ -219,7 +220,9 @@ class GPipe(tf.Module):
       declared = [as_tf_variable(v) for i in range(a, b)
                   for v in _layer_variables(self._layers[i], True)]
       for i in range(a, b):
-        _check_placement(self._layers[i], i, s, columns[s], strategy)
+        first = first_use.setdefault(id(self._layers[i]), (s, i))
+        _check_placement(self._layers[i], i, s, columns[s], strategy,
+                         shared_with=first if first[0] != s else None)
         _schedule.check_declared(s, declared, trace.captured[i])
     self._stage_costs = stage_costs
     self._strategy = strategy
@@ -546,11 +549,25 @@ def _where(variable):
   return (_devices.canonicalize(variable.device),) if variable.device else ()
 
 
-def _check_placement(layer, index, stage, column, strategy):
+def _check_placement(layer, index, stage, column, strategy, shared_with=None):
+  """Raises if `layer`'s variables are not where stage `stage` puts them.
+
+  `shared_with`: (stage, index) of the same layer's first place in the list, when that
+  is another stage.
+  """
   for v in _layer_variables(layer, True) + _layer_variables(layer, False):
     variable = as_tf_variable(v)
     if _placed_on(variable, column, strategy):
       continue
+    if shared_with is not None:
+      other_stage, other_index = shared_with
+      raise ValueError(
+          f"{_cost.describe(layer, index)} is the same layer as layer {other_index} (its "
+          f"weights are shared), but the partition puts layer {other_index} on stage "
+          f"{other_stage} and layer {index} on stage {stage}: a variable lives on one "
+          f"stage's device. Received: variable {variable.name!r} on {list(_where(variable))}. "
+          "Give an explicit partition=[n0, n1, ...] that keeps every use of a layer with "
+          "variables in one stage.")
     where = _where(variable)
     raise ValueError(
         f"GPipe places stage {stage}'s variables on {list(column)} when it builds its "
