@@ -387,6 +387,29 @@ def test_seed_states_of_nested_layers_are_placed_on_their_stage(strategy):
                                **TOL)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_layers_frozen_after_they_are_built(recompute):
+  """layer.trainable = False after building (fine-tuning): the variables stay trainable
+  for TensorFlow, and GPipe refused them as read by a stage that does not declare them."""
+  keras.utils.set_random_seed(12)
+  layers = [keras.layers.Dense(12, activation="tanh"), keras.layers.BatchNormalization(),
+            keras.layers.Dense(10, activation="relu"), keras.layers.Dense(3)]
+  pipe = GPipe(layers, devices=CPUS[:2], num_micro_batches=2, recompute=recompute,
+               partition=[2, 2])
+  pipe.build((BATCH, FEATURES))
+  layers[1].trainable = False  # A frozen BatchNormalization also runs in inference mode.
+  layers[2].trainable = False
+  frozen = [v.numpy() for v in layers[1].weights + layers[2].weights]
+  x = _input(seed=6)
+  got = _loss_and_grads(lambda t: pipe(t, training=True), pipe.trainable_variables, x)
+  want = _loss_and_grads(functools.partial(_sequential, layers), pipe.trainable_variables, x)
+  assert len(pipe.trainable_variables) == 4
+  for g, e in zip([got[0]] + got[1], [want[0]] + want[1], strict=True):
+    np.testing.assert_allclose(g, e, **TOL)
+  for v, value in zip(layers[1].weights + layers[2].weights, frozen, strict=True):
+    np.testing.assert_array_equal(v.numpy(), value)
+
+
 def test_persistent_tape_and_tape_outside_the_function():
   layers, sizes = _shared(2)
   pipe = GPipe(layers, devices=CPUS[:2], num_micro_batches=2, partition=sizes)

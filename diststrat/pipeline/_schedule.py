@@ -286,8 +286,12 @@ def _accumulate(total, g):
 
 
 def _check_declared(stage, tape):
-  """Raises if the stage read a trainable variable that its layers do not declare."""
-  check_declared(stage.index, stage.variables, tape.watched_variables())
+  """Raises if the stage read a trainable variable that its layers do not declare.
+
+  A variable the layers declare non-trainable (a Keras layer frozen after it was built:
+  its variables stay trainable for TensorFlow) is declared too, and not differentiated.
+  """
+  check_declared(stage.index, stage.variables + stage.state, tape.watched_variables())
 
 
 def check_declared(stage_index, declared, used):
