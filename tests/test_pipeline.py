@@ -660,6 +660,61 @@ def test_each_tower_reads_its_own_copy(mode):
   np.testing.assert_allclose(out.values[1], h @ kernel.get(CPUS[3]).numpy() + bias, **TOL)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_stateful_layers_on_a_later_stage_in_towers_in_a_tf_function(recompute):
+  """BatchNormalization's and Dropout's state writes merge the towers' values in a
+  merge_call. From stage 1 inside a tf.function, the merge's result (one op per copy, on
+  the stage-1 devices) was handed to each tower by its own device, where it has no part:
+  ValueError "returned a wrapped value with no component on tower 0's device"."""
+  def run(mode):
+    strategy = ds.MirroredStrategy(TOWERS)
+    with strategy.scope():
+      keras.utils.set_random_seed(13)
+      layers = [keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                keras.layers.Dropout(0.5, seed=5), keras.layers.Dense(3)]
+      pipe = GPipe(layers, devices=TOWER_PIPELINES, num_micro_batches=2,
+                   recompute=recompute, partition=[1, 3])
+      pipe.build((None, FEATURES))
+
+    def tower(x):
+      with tf.GradientTape() as tape:
+        y = pipe(x, training=True)
+        loss = tf.reduce_sum(tf.sin(y) * y)
+      return [y] + tape.gradient(loss, pipe.trainable_variables)
+
+    step = lambda x: strategy.call_for_each_tower(tower, x)  # noqa: E731
+    if mode == "function":
+      step = tf.function(step)
+    with strategy.scope():
+      out = step(_input(seed=7, batch=4))
+    state = [c.numpy() for v in pipe.non_trainable_variables for c in v.value.values]
+    return [t.numpy() for result in out for t in result.values], state
+
+  eager, function = run("eager"), run("function")
+  for a, b in zip(eager[0] + eager[1], function[0] + function[1], strict=True):
+    np.testing.assert_allclose(b, a, **TOL)
+
+
+def test_moving_statistics_in_a_stage_weigh_each_towers_share_of_the_batch():
+  """A batch of 5 split 3 + 2: the towers' moving means merge weighted by their shares,
+  as one device's mean. Inside a stage the tower context had no batch share, so the
+  towers weighed 1/2 each (moving mean -1.39 where one device gives -1.41)."""
+  strategy = ds.MirroredStrategy(TOWERS)
+  x = np.random.default_rng(0).normal(size=(5, FEATURES)).astype(np.float32) + 3
+  with strategy.scope():
+    keras.utils.set_random_seed(14)
+    layers = [keras.layers.Dense(3), keras.layers.BatchNormalization(momentum=0.5)]
+    pipe = GPipe(layers, devices=TOWER_PIPELINES, partition=[1, 1])
+    pipe.build((None, FEATURES))
+    data = strategy.distribute_dataset(lambda: tf.data.Dataset.from_tensors(x))
+    for batch in data:
+      strategy.call_for_each_tower(lambda t: pipe(t, training=True), batch)
+  reference = keras.layers.BatchNormalization(momentum=0.5)
+  reference(layers[0](x), training=True)
+  for copy in layers[1].moving_mean.value.values:
+    np.testing.assert_allclose(copy.numpy(), reference.moving_mean.numpy(), **TOL)
+
+
 # --- errors: every message names the rule, what was received, and the fix -------------
 
 

@@ -13,6 +13,7 @@ stage-s device, so reads take the tower's own copy there.
 """
 
 import contextlib
+import functools
 import numbers
 
 from typing import Any, Optional, Sequence
@@ -348,8 +349,13 @@ class GPipe(tf.Module):
           f"but it was called in {_context.describe_current_context()}. Call it from the "
           "function given to strategy.call_for_each_tower().")
     devices = self._pipelines[_devices.canonicalize(tower.device)]
-    return devices, lambda device: _context.enter_mode(strategy,
-                                                       _StageTowerContext(tower, device))
+
+    def stage_context(device):
+      stage = devices.index(device)
+      column = {t: stage_devices[stage] for t, stage_devices in self._pipelines.items()}
+      return _context.enter_mode(strategy, _StageTowerContext(tower, device, column))
+
+    return devices, stage_context
 
 
 def _build_in_merge_call(strategy, pipe):
@@ -360,15 +366,33 @@ def _build_in_merge_call(strategy, pipe):
 class _StageTowerContext(_context.TowerContext):
   """A tower's context while its stage on `device` runs: reads take that device's copy.
 
-  `merge_call` goes to the tower's own context, so it pauses the tower as usual.
+  `merge_call` goes to the tower's own context, so it pauses the tower as usual. Each
+  tower gets its part of the result as the part on its stage device (`column`: tower
+  device -> that tower's device for this stage), where the stage's variables are: a
+  write to them (BatchNormalization's moving statistics, a seed state) returns one op
+  per copy, on the stage devices, not on the towers' own devices.
   """
 
-  def __init__(self, tower, device):
-    super().__init__(tower.distribution_strategy, tower.tower_id, tower.num_towers, device)
+  def __init__(self, tower, device, column):
+    super().__init__(tower.distribution_strategy, tower.tower_id, tower.num_towers, device,
+                     batch_share=tower.batch_share)
     self._tower = tower
+    self._column = column
 
   def _merge_call(self, merge_fn, args, kwargs):
-    return self._tower._merge_call(merge_fn, args, kwargs)
+    return self._tower._merge_call(
+        functools.partial(_merge_in_stage, merge_fn, self._column), args, kwargs)
+
+
+def _merge_in_stage(merge_fn, column, strategy, *args, **kwargs):
+  """`merge_fn`'s result, as each tower's part on its stage device (see above)."""
+  result = merge_fn(strategy, *args, **kwargs)
+  try:
+    parts = {tower: _wrapped.select_device(device, result)
+             for tower, device in column.items()}
+  except ValueError:
+    return result  # Its parts are on the towers' own devices (or it is plain).
+  return _wrapped.PerDevice(parts)
 
 
 # --- arguments ---
