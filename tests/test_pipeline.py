@@ -151,6 +151,7 @@ def test_partition_breaks_ties_as_documented():
   The cut chose the last stage's start for the best cut of the rest alone, so e.g.
   [1.7, 1.9, 1.2, 8.2] in 3 stages gave [1, 2, 1], not [2, 1, 1]."""
   assert partition([1.7, 1.9, 1.2, 8.2], 3) == [2, 1, 1]
+  assert partition([1e308, 1e308, 1e308], 2) == [2, 1]  # Sums beyond float range.
   rng = random.Random(17)
   for _ in range(300):
     n = rng.randint(1, 8)

@@ -48,7 +48,10 @@ def partition(costs: Sequence[float], num_stages: int) -> list[int]:
         f"{len(costs)} stages (devices), or split the model into more layers.")
   num_stages = int(num_stages)
   n = len(costs)
-  prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
+  values = np.asarray(costs, dtype=np.float64)
+  # Scaled by a power of two (exact) so that sums of huge costs stay finite.
+  values = np.ldexp(values, -int(np.frexp(values.max())[1]))
+  prefix = np.concatenate([[0.0], np.cumsum(values)])
   # bests[s - 1][i]: the smallest possible largest stage cost of layers [0, i) cut into
   # s stages (inf where i < s).
   bests = [prefix.copy()]
