@@ -36,6 +36,7 @@ current strategy in step with ours.
 import contextlib
 import functools
 import threading
+import types
 import typing
 
 from diststrat._tf import tf
@@ -351,13 +352,16 @@ def same_merge_fn(a, b):
   new object in every tower; it is still the same function if its code is. So is a
   `functools.partial` made in every tower: the same if it wraps the same function and
   binds as many positional arguments and the same keywords (like a closure's captured
-  values, the bound values may differ: tower 0's merge_fn runs).
+  values, the bound values may differ: tower 0's merge_fn runs), except that functions
+  it binds must be the same functions (a wrapper bound to each tower's merge_fn).
   """
   if a is b or a == b:
     return True
   if isinstance(a, functools.partial) and isinstance(b, functools.partial):
     return (len(a.args) == len(b.args) and a.keywords.keys() == b.keywords.keys()
-            and same_merge_fn(a.func, b.func))
+            and same_merge_fn(a.func, b.func)
+            and all(same_merge_fn(x, y) for x, y in zip(a.args, b.args, strict=True)
+                    if isinstance(x, types.FunctionType)))
   self_a, self_b = getattr(a, "__self__", None), getattr(b, "__self__", None)
   if self_a is not self_b:
     return False

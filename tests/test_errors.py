@@ -264,6 +264,27 @@ def test_partials_of_different_functions_raise_naming_them():
       in str(error)
 
 
+def _call_merge_fn(merge_fn, strategy, x):
+  return merge_fn(strategy, x)
+
+
+def test_partials_that_bind_different_functions_raise():
+  """A wrapper bound to each tower's merge_fn (as GPipe's stage context binds one) hides
+  nothing: the towers' merge_fns differ when the functions they bind do. They passed as
+  one merge_fn (the wrapper's), and tower 0's ran for every tower."""
+  import functools
+
+  def fn():
+    tower = ds.get_tower_context()
+    merge_fn = _first if tower.tower_id % 2 == 0 else _second
+    return tower.merge_call(functools.partial(_call_merge_fn, merge_fn), 1.0)
+
+  error = _same_in_both_modes(ds.MirroredStrategy(CPUS), fn)
+  assert isinstance(error, errors.MergeCallMismatchError)
+  assert "towers [0, 2] passed partial(_call_merge_fn, _first); towers [1, 3] passed " \
+      "partial(_call_merge_fn, _second)." in str(error)
+
+
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
 def test_a_merge_result_missing_a_towers_device_names_merge_fn_and_the_fix(traced):
   """It raised select_device's message, which told the user to pass a device to get()."""

@@ -368,7 +368,8 @@ def _missing_component(message, error):
 def _describe_fn(fn):
   """A function's name, the same whether or not AutoGraph converted it."""
   if isinstance(fn, functools.partial):
-    return f"partial({_describe_fn(fn.func)})"
+    bound = [_describe_fn(a) for a in fn.args if isinstance(a, types.FunctionType)]
+    return f"partial({', '.join([_describe_fn(fn.func)] + bound)})"
   name = getattr(fn, "__name__", None) or type(fn).__name__
   return name[len("tf__"):] if name.startswith("tf__") else name
 
