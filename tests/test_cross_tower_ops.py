@@ -649,6 +649,55 @@ def test_collectives_run_when_one_result_is_used_and_time_out_with_advice():
   assert "timed out" in out
 
 
+
+@pytest.mark.processes
+def test_collective_reduces_empty_tensors_of_unknown_size_without_crashing():
+  """TensorFlow's collective kernels (V1 and V2) crashed the process (SIGSEGV) on an empty
+  tensor that a function got from outside, such as numpy's; with a static size of 0 the
+  algorithm skips the collective, but inside a function traced for unknown sizes it
+  cannot know. Run in its own process: before the fix it died."""
+  code = textwrap.dedent("""
+      import os
+      os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+      import numpy as np
+      import tensorflow as tf
+      cpu, = tf.config.list_physical_devices("CPU")
+      tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+      from diststrat.cross_tower_ops import AllReduceCrossTowerOps
+      from diststrat.values import PerDevice
+
+      ops = AllReduceCrossTowerOps("collective")
+      devices = ["/cpu:0", "/cpu:1"]
+
+      @tf.function(input_signature=[[tf.TensorSpec([None, 3], tf.float32)] * 2,
+                                    [tf.TensorSpec(None, tf.int32)] * 2])
+      def reduce(x, y):
+        pairs = [(PerDevice(dict(zip(devices, x))), None),
+                 (PerDevice(dict(zip(devices, y))), None)]
+        return [[c for c in r.values] for r in ops.batch_reduce("mean", pairs)]
+
+      @tf.function(input_signature=[[tf.TensorSpec([None], tf.float32)] * 2])
+      def in_a_loop(x):  # V2 collectives
+        def body(i, total):
+          r = ops.reduce("sum", PerDevice(dict(zip(devices, x))))
+          return i + 1, total + tf.reduce_sum(r.values[0]) + tf.reduce_sum(r.values[1])
+        return tf.while_loop(lambda i, _: i < 2, body, (0, 0.0))[1]
+
+      for rows in (0, 2):
+        x = [tf.constant(np.full((rows, 3), k + 1.0, np.float32)) for k in range(2)]
+        y = [tf.constant(np.full((rows,), 2 * k + 1, np.int32)) for k in range(2)]
+        (x0, x1), (y0, y1) = reduce(x, y)
+        print(rows, x0.shape, x1.numpy().tolist(), y0.shape, y1.numpy().tolist())
+      print("LOOP", float(in_a_loop([tf.constant(np.zeros(0, np.float32))] * 2)))
+      """)
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.splitlines() == [
+      "0 (0, 3) [] (0,) []",
+      "2 (2, 3) [[1.5, 1.5, 1.5], [1.5, 1.5, 1.5]] (2,) [2, 2]",
+      "LOOP 0.0"]
+
 # --- collective keys ------------------------------------------------------------------
 
 

@@ -153,9 +153,32 @@ def all_reduce(values, devices, mean, timeout, communication_hint="auto", group=
   for value, device in zip(values, devices, strict=True):
     with tf.device(device):
       carrier, back = _carried(value)
-      results.append(back(_reduce_op(carrier, len(group), group_key, instance_key, "Add",
-                                     "Div" if mean else "Id", timeout, communication_hint)))
+      carrier, unpad = _never_empty(carrier)
+      results.append(back(unpad(_reduce_op(carrier, len(group), group_key, instance_key,
+                                            "Add", "Div" if mean else "Id", timeout,
+                                            communication_hint))))
   return results
+
+
+def _never_empty(value):
+  """`value`, flattened with one zero after it when its size is not known statically,
+  and the function that turns the reduced result back into `value`'s shape.
+
+  TensorFlow's collective reductions (V1 and V2) crash the process (SIGSEGV) on some
+  empty tensors, such as one a function gets from numpy: an algorithm skips a value it
+  knows to be empty, but one of unknown size may turn out empty when it runs. The zero
+  adds nothing to a sum or a mean.
+  """
+  if value.shape.num_elements():
+    return value, lambda total: total
+  shape = tf.shape(value)
+  padded = tf.concat([tf.reshape(value, [-1]), tf.zeros([1], value.dtype)], axis=0)
+
+  def unpad(total):
+    result = tf.reshape(total[:-1], shape)
+    result.set_shape(value.shape)
+    return result
+  return padded, unpad
 
 
 def all_gather(value, device, group, timeout):
