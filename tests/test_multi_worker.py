@@ -323,6 +323,15 @@ def _keras_fit_fn(strategy, checkpoint_dir):
       return strategy.gather(wide), strategy.gather(narrow)
 
     result["ragged_gathers"] = [t.numpy().tolist() for t in two_gathers(tf.constant(0.0))]
+    # No tower with a row (a gather of empty values, empty sparse gradients), and rows of
+    # no elements: TensorFlow's collective gather crashed the workers (SIGSEGV).
+    no_rows = strategy.call_for_each_tower(lambda: tf.zeros([0, 3]))
+    empty_rows = strategy.call_for_each_tower(lambda: tf.ones([2, 0]))
+    no_slices = strategy.call_for_each_tower(lambda: tf.IndexedSlices(
+        tf.zeros([0, 3]), tf.zeros([0], tf.int64), tf.constant([5, 3], tf.int64)))
+    result["empty_gathers"] = [strategy.gather(no_rows).shape.as_list(),
+                               strategy.gather(empty_rows).shape.as_list(),
+                               strategy.reduce("sum", no_slices).primary.values.shape.as_list()]
     # A plain value counts as one value in each worker: MEAN gives it back.
     plain = tf.constant([1.0, 2.0])
     result["plain"] = {a: strategy.reduce(a, plain).values[0].numpy().tolist()
@@ -577,6 +586,7 @@ def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_devic
     assert result["tower_writes"] == ([5.0, 5.0], {"sum": [4, 4], "mean": [1, 1]})
     assert result["plain"] == {"sum": [2.0, 4.0], "mean": [1.0, 2.0]}
     assert result["ragged_gathers"] == [[[0.0] * 3, [1.0] * 3], [[0.0], [1.0]]]
+    assert result["empty_gathers"] == [[0, 3], [8, 0], [0, 3]]
   # The chief's ModelCheckpoint file loads with no strategy, with the trained weights.
   loaded = keras.models.load_model(str(tmp_path / "model.keras"))
   for got, want in zip(loaded.get_weights(), reference["weights"], strict=True):

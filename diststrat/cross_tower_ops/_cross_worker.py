@@ -323,12 +323,26 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     # then disagree, and the job failed or crashed (SIGSEGV).
     rows = tf.shape(tensor, out_type=tf.int64)[:1]
     lengths = _collective.all_gather(rows, device, self._leaders, _NO_TIMEOUT)
-    longest = tf.reduce_max(lengths)
+    # TensorFlow's collective gather crashes the process (SIGSEGV) on an empty tensor
+    # (no worker with a row, or rows of no element): each worker sends one row more than
+    # the longest, and rows not known to hold elements travel with one more, a zero.
+    shape = tf.shape(tensor, out_type=tf.int64)
+    static_shape = tensor.shape
+    widen = not static_shape[1:].num_elements()
+    if widen:
+      flat = tf.reshape(tensor, tf.stack([rows[0], tf.reduce_prod(shape[1:])]))
+      tensor = tf.concat([flat, tf.zeros(tf.stack([rows[0], 1]), tensor.dtype)], axis=1)
+    longest = tf.reduce_max(lengths) + 1
     padding = [[0, longest - rows[0]]] + [[0, 0]] * (tensor.shape.rank - 1)
     padded = tf.pad(tensor, padding)
     gathered = _collective.all_gather(padded, device, self._leaders, _NO_TIMEOUT)
     keep = tf.sequence_mask(lengths, longest)  # [workers, longest]
-    return tf.boolean_mask(gathered, tf.reshape(keep, [-1]))
+    gathered = tf.boolean_mask(gathered, tf.reshape(keep, [-1]))
+    if widen:
+      gathered = tf.reshape(gathered[:, :-1],
+                            tf.concat([tf.reduce_sum(lengths, keepdims=True), shape[1:]], 0))
+      gathered.set_shape(tf.TensorShape([None]).concatenate(static_shape[1:]))
+    return gathered
 
 
 def _move_axis(tensor, source, destination):
