@@ -72,18 +72,28 @@ scope for its duration.
 
 
 class _StrategyScope:
-  """What `scope()` returns: enters the cross-tower context of a strategy."""
+  """What `scope()` returns: enters the cross-tower context of a strategy.
+
+  One object may be entered again while it is entered (nested, or in another thread):
+  each `__enter__` pushes what its `__exit__` undoes on a stack of this thread's.
+  """
 
   def __init__(self, strategy):
     self._strategy = strategy
-    self._exit_stack = None
+    self._local = threading.local()
+
+  def _exit_stacks(self):
+    stacks = getattr(self._local, "exit_stacks", None)
+    if stacks is None:
+      stacks = self._local.exit_stacks = []
+    return stacks
 
   def __enter__(self):
     strategy = self._strategy
     mode = _context.current_mode()
     if mode.strategy is strategy and not _context.in_default_context():
       # Already in this strategy's cross-tower (or tower) context: nothing to do.
-      self._exit_stack = None
+      self._exit_stacks().append(None)
       return strategy
     if _context.has_distribution_strategy():
       raise errors.ContextError(
@@ -98,12 +108,12 @@ class _StrategyScope:
     except BaseException:
       stack.close()
       raise
-    self._exit_stack = stack
+    self._exit_stacks().append(stack)
     return strategy
 
   def __exit__(self, exc_type, exc, tb):
-    if self._exit_stack is not None:
-      stack, self._exit_stack = self._exit_stack, None
+    stack = self._exit_stacks().pop()
+    if stack is not None:
       # The exception, if any, goes through the managers entered (mode listeners may
       # explain it); it is never suppressed.
       stack.__exit__(exc_type, exc, tb)

@@ -135,6 +135,25 @@ def test_scope_reentered_is_noop_and_mixing_raises():
   assert not ds.has_distribution_strategy()
 
 
+def test_one_scope_object_entered_again_inside_itself_is_a_noop():
+  # A helper that keeps `scope = s.scope()` and enters it in nested calls: the inner
+  # `with` replaced the outer one's exit state, so the outer scope was left (variables
+  # in the inner body were plain ones) before its body ended.
+  s = SequentialStrategy(CPUS[:3])
+  scope = s.scope()
+  with scope:
+    with scope:
+      assert ds.get_cross_tower_context() is s
+      v = tf.Variable(1.0)
+    assert ds.get_cross_tower_context() is s
+    w = tf.Variable(1.0)
+  assert _state()[1:] == (None, ds.DefaultStrategy(), False)
+  assert v.device == w.device == CPUS[2]  # SequentialStrategy's policy, in both bodies.
+  with scope:  # Reusable afterwards.
+    assert ds.get_cross_tower_context() is s
+  assert ds.get_cross_tower_context() is None
+
+
 def test_mixing_message_names_both_strategies():
   s1 = SequentialStrategy(CPUS[:2])
   s2 = SequentialStrategy(CPUS[1:3])

@@ -337,3 +337,27 @@ def test_a_per_device_argument_missing_a_tower_device_names_the_call_and_the_fix
                      r"wrapped value with no component on the tower device .*CPU:1.*needs "
                      r"a component on every tower's device"):
     tf.function(step)() if traced else step()
+
+
+@pytest.mark.parametrize("where", ["merge_fn", "earlier_towers"])
+def test_towers_wait_for_a_slow_merge_fn_or_their_turn_however_long(where, monkeypatch,
+                                                                     no_thread_leak):
+  # tower_timeout bounds a tower's own code between pauses. A tower waiting at
+  # merge_call (for merge_fn) or for its turn (while the towers before it run) gave up
+  # after tower_timeout + 30 s (shortened here) and counted as returned None: the call
+  # returned None for it silently, or failed with a MergeCallMismatchError.
+  monkeypatch.setattr(_tower_threads, "_JOIN_TIMEOUT", 0.1)
+  strategy = ds.MirroredStrategy(CPUS[:3], tower_timeout=0.3)
+
+  def fn():
+    ctx = ds.get_tower_context()
+    if where == "earlier_towers" and ctx.tower_id < 2:
+      time.sleep(0.25)  # Under the tower timeout; tower 2 waits 0.5 s for its turn.
+    merged = ctx.merge_call(
+        lambda st: time.sleep(0.6 if where == "merge_fn" else 0) or "merged")
+    return (ctx.tower_id, merged)
+
+  with strategy.scope():
+    result = strategy.call_for_each_tower(fn)
+  tower_ids, merged = result
+  assert (tower_ids.values, merged) == ((0, 1, 2), "merged")

@@ -9,11 +9,15 @@ variables come out the same on every run. Parallelism comes from TensorFlow's ru
 Each tower thread starts from the calling thread's TensorFlow state: its graph (so towers
 can build a `tf.function`), name scope, variable creator stack and control
 dependencies, plus the tower's device scope and `TowerContext`. Every thread is joined
-before `run()` returns or raises, and every wait is bounded by `timeout`, with one
-exception: a tower that is still running its own code when the call fails (it timed out,
-or another tower failed while it ran) cannot be stopped by Python. Its error is raised at
-once; the thread is left to finish in the background (it unwinds at its next
-`merge_call` or return), logged as a warning, and listed by `abandoned_tower_threads()`.
+before `run()` returns or raises, and the calling thread's waits are bounded by
+`timeout`, with one exception: a tower that is still running its own code when the call
+fails (it timed out, or another tower failed while it ran) cannot be stopped by Python.
+Its error is raised at once; the thread is left to finish in the background (it unwinds
+at its next `merge_call` or return), logged as a warning, and listed by
+`abandoned_tower_threads()`. A paused tower waits for its turn for as long as the call
+goes on (a `merge_fn` or the other towers may take longer than `timeout`): the calling
+thread releases it when the call returns or fails, and it gives up by itself only if
+that thread is gone.
 """
 
 import contextlib
@@ -108,8 +112,13 @@ class _Tower:
                                    name=f"diststrat-tower-{self.tower_id}")
 
   def _wait_for_go(self):
-    if not self.go.wait(self.runner.timeout + _JOIN_TIMEOUT):
-      self.aborted = True  # The caller is gone; do not run.
+    # Not bounded while the call goes on: merge_fn and the towers before this one may
+    # take longer than the tower timeout, which bounds each tower's own code. The caller
+    # sends "go" or aborts on every way out of run(); the check is for a caller gone.
+    while not self.go.wait(self.runner.timeout + _JOIN_TIMEOUT):
+      if not self.runner.caller.is_alive():
+        self.aborted = True  # The caller is gone; do not run.
+        break
     self.go.clear()
     if self.aborted:
       raise _Aborted()
@@ -208,19 +217,21 @@ class TowerRunner:
     self.num_towers = len(self.devices) if num_towers is None else num_towers
     self.step_cache = step_cache
     self.captured = None
+    self.caller = None  # The thread running run().
     self.shared_variables = []  # (requested name, variable) created by tower 0, in order.
 
   def run(self, fn, args, kwargs):
     """Returns the list of the towers' results, in tower order."""
     self.captured = _context.ThreadState()
+    self.caller = threading.current_thread()
     if not self.captured.eager:
       fn = _autograph(fn)
     shares = _wrapped.batch_shares((args, kwargs)) or {}
     towers = [_Tower(self, i, d, fn, *self._tower_arguments(d, args, kwargs), shares.get(d))
               for i, d in enumerate(self.devices)]
-    for tower in towers:
-      tower.thread.start()
     try:
+      for tower in towers:
+        tower.thread.start()
       while True:
         for tower in towers:
           self._step(tower)
@@ -250,7 +261,7 @@ class TowerRunner:
   def _join(self, towers):
     """Joins every tower thread; one still running its own code is left (see module doc)."""
     for tower in towers:
-      if tower.running:
+      if tower.running or tower.thread.ident is None:  # Running its code, or not started.
         continue
       tower.thread.join(_JOIN_TIMEOUT)
     stuck = [t for t in towers if t.thread.is_alive()]
