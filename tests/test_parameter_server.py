@@ -105,6 +105,31 @@ def test_towers_share_variables_and_run_on_workers():
   assert [float(x) for x in values.values] == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_a_variable_with_an_aggregation_passes_to_towers_and_out_of_merge_fn(mode):
+  # Such a variable is a one-copy MirroredVariable on its PS device, which no tower
+  # device holds: call_for_each_tower(fn, v) raised ValueError ("no component on the
+  # tower device"), and so did a merge_fn returning it. Each tower gets the variable.
+  s = _strategy()
+  with s.scope():
+    v = tf.Variable(0.0, aggregation=tf.VariableAggregation.MEAN, name="v")
+
+  def fn(var, x):
+    var.assign_add(x)  # Tower writes are merged, as by the variable itself.
+    back = ds.get_tower_context().merge_call(lambda strategy, w: w, var)
+    return back is v
+
+  def step():
+    return s.call_for_each_tower(fn, v, s.call_for_each_tower(
+        lambda i: tf.cast(i + 1, tf.float32), s.worker_device_index))
+
+  if mode == "function":
+    step = tf.function(step)
+  with s.scope():
+    assert bool(step())  # In a tf.function the Python True comes back as a tensor.
+  assert float(v.numpy()) == 1.5  # The mean of the towers' 1 and 2.
+
+
 def test_non_slot_variables_on_one_ps_device():
   s = _strategy()
   with s.scope():

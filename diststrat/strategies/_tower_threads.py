@@ -250,7 +250,7 @@ class TowerRunner:
   def _tower_arguments(self, device, args, kwargs):
     """(args, kwargs) for the tower on `device`: each wrapped value's component there."""
     try:
-      return _wrapped.select_device(device, args), _wrapped.select_device(device, kwargs)
+      return _wrapped.tower_part(device, args), _wrapped.tower_part(device, kwargs)
     except ValueError as e:  # A wrapped argument with no component on this device.
       raise _missing_component(
           f"An argument of call_for_each_tower() is a wrapped value with no component on "
@@ -322,7 +322,7 @@ class TowerRunner:
           self.step_cache.invalidate_all()
     for tower in towers:
       try:
-        tower.merge_result = _wrapped.select_device(tower.device, result)
+        tower.merge_result = _wrapped.tower_part(tower.device, result)
       except ValueError as e:  # A wrapped value with no component for this tower.
         raise _missing_component(
             f"merge_fn {_describe_fn(first.merge_fn)} returned a wrapped value with no "

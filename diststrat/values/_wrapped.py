@@ -350,19 +350,35 @@ def select_device(device: str, structure: Any) -> Any:
   return _select(device, structure)
 
 
-def _select(device, x):
+def tower_part(device, structure):
+  """`select_device(device, structure)` for what a tower receives: its arguments, its
+  part of a `merge_fn`'s result.
+
+  A distributed variable with no copy on `device` is kept whole, where `select_device`
+  would raise: the tower uses (and writes) the variable itself, as it would the plain
+  variable it stands for. `ParameterServerStrategy` keeps such variables (a variable
+  with an aggregation, Keras's non-trainable state) as one-copy `MirroredVariable`s on
+  their parameter device.
+  """
+  device = _devices.canonicalize(device)
+  return _select(device, structure, keep_remote_variables=True)
+
+
+def _select(device, x, keep_remote_variables=False):
   if isinstance(x, DistributedValues):
+    if keep_remote_variables and isinstance(x, tf.Variable) and device not in x:
+      return x
     return x.get(device)
   if x is None:
     return None
   if _is_namedtuple(x):
-    return type(x)(*[_select(device, v) for v in x])
+    return type(x)(*[_select(device, v, keep_remote_variables) for v in x])
   if isinstance(x, tuple):
-    return tuple(_select(device, v) for v in x)
+    return tuple(_select(device, v, keep_remote_variables) for v in x)
   if isinstance(x, list):
-    return [_select(device, v) for v in x]
+    return [_select(device, v, keep_remote_variables) for v in x]
   if isinstance(x, dict):
-    return {k: _select(device, v) for k, v in x.items()}
+    return {k: _select(device, v, keep_remote_variables) for k, v in x.items()}
   return x
 
 
