@@ -127,6 +127,18 @@ def seconds(name, value, allow_none=True):
   return float(value)
 
 
+def variable_name(kwargs):
+  """The name (without ":0") that a `tf.Variable(**kwargs)` call gives its variable.
+
+  TensorFlow's: the `name` argument, "Variable" when there is none, inside the current
+  name scope (Keras layers make their variables in theirs, so a kernel is
+  "sequential/dense/kernel").
+  """
+  name = (kwargs.get("name") or "Variable").split(":")[0].strip("/") or "Variable"
+  scope = tf.get_current_name_scope()
+  return f"{scope.rstrip('/')}/{name}" if scope else name
+
+
 def initial_value_tensor(kwargs):
   """The initial value of a `tf.Variable(**kwargs)` call, as a tensor.
 

@@ -60,6 +60,30 @@ def test_callable_placement_and_errors():
     _strategy("random")
 
 
+def test_callable_placement_gets_the_name_the_variable_gets():
+  # It got tf.Variable's `name` argument: None for an unnamed variable (a callable
+  # testing `"embedding" in name` raised TypeError from inside tf.Variable) and no name
+  # scope (every Keras layer's kernel was "kernel").
+  import keras  # pylint: disable=g-import-not-at-top
+  names = []
+
+  def place(name, shape, dtype):
+    names.append(name)
+    return "/cpu:3" if name.endswith("dense_b/kernel") else "/cpu:2"
+
+  s = _strategy(place)
+  with s.scope():
+    with tf.name_scope("scope"):
+      a = tf.Variable(1.0, name="a")
+    unnamed = tf.Variable(1.0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="dense_a"),
+                              keras.layers.Dense(2, name="dense_b")])
+  assert names[:2] == [a.name[:-2], unnamed.name[:-2]] == ["scope/a", "Variable"]
+  kernels = [v for v in model.trainable_variables if v.name == "kernel"]
+  assert names[2:] == [v.value.name[:-2] for v in model.trainable_variables]
+  assert [k.value.device for k in kernels] == [PS[0], PS[1]]
+
+
 def test_placement_is_deterministic_by_creation_order():
   def run():
     placer = VariablePlacer(PS, "least_loaded")

@@ -52,7 +52,8 @@ class VariablePlacer:
     devices: the parameter devices (canonical names).
     policy: "least_loaded" (the device holding the fewest elements so far; ties go to
       the first), "round_robin" (each device in turn), or a callable
-      `(name, shape, dtype) -> device` returning one of `devices`.
+      `(name, shape, dtype) -> device` returning one of `devices`; `name` is the name
+      the variable gets (with its name scope, without ":0").
   """
 
   def __init__(self, devices, policy):
@@ -352,8 +353,8 @@ class ParameterServerStrategy(_cluster_spec.ClusterTaskMixin, DistributionStrate
         device = _wrapped.devices_of(colocate_with)[0]
       else:
         kwargs["initial_value"] = _arguments.initial_value_tensor(kwargs)
-        device = self._placer.place(kwargs.get("name"), kwargs["initial_value"].shape,
-                                    kwargs["initial_value"].dtype)
+        device = self._placer.place(_arguments.variable_name(kwargs),
+                                    kwargs["initial_value"].shape, kwargs["initial_value"].dtype)
       return self._wrap_if_written_in_towers(
           self._make_variable(device, next_creator, kwargs), device, kwargs)
 

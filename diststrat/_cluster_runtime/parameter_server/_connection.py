@@ -127,9 +127,7 @@ class ClusterConnection:
 
   def create_variable(self, device, kwargs):
     """A `SharedVariable` on the PS device `device`, made from tf.Variable's `kwargs`."""
-    name = (kwargs.get("name") or "Variable").split(":")[0].strip("/") or "Variable"
-    scope = tf.get_current_name_scope()
-    shared_name = self.names.unique(f"{scope.rstrip('/')}/{name}" if scope else name)
+    shared_name = self.names.unique(_arguments.variable_name(kwargs))
     with tf.init_scope():
       if tf.is_symbolic_tensor(kwargs.get("initial_value")):
         raise ValueError(
