@@ -392,11 +392,16 @@ class DistributionStrategy:
 
   @cross_tower_method
   def group(self, value: Any, name: str | None = None) -> Any:
-    """One op that runs every component of `value` (a no-op in eager mode)."""
+    """One op that runs every component of `value` (a no-op in eager mode).
+
+    Components that run nothing (None, Python and numpy values, strings) are left out,
+    so the result of a tower function that returns some may be grouped.
+    """
     components = []
     for leaf in tf.nest.flatten(value, expand_composites=False):
-      for component in self._unwrap(leaf):
-        if component is not None:
+      for component in self._unwrap(as_tf_variable(leaf)):
+        component = as_tf_variable(component)
+        if isinstance(component, tf.Operation) or tf.is_tensor(component):
           components.append(component)
     if tf.executing_eagerly():
       return None

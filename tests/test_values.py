@@ -145,6 +145,31 @@ def test_unwrap_accepts_keras_variables():
     assert len(s.unwrap(layer.kernel)) == 2
 
 
+@pytest.mark.parametrize("strategy", ["default", "mirrored"])
+def test_group_of_a_structure_with_plain_values_runs_its_ops_in_a_graph(strategy):
+  # A tower result such as {"loss": ..., "mode": "train", "n": 32} grouped inside a
+  # tf.function raised TensorFlow's TypeError ("'inputs' should be zero or more (nested)
+  # Tensors") for its Python values, where eager mode returned None.
+  import keras  # pylint: disable=g-import-not-at-top
+  s = ds.DefaultStrategy() if strategy == "default" else ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    v = tf.Variable(0.0, aggregation=tf.VariableAggregation.MEAN)
+    kv = keras.Variable(0.0)
+
+  @tf.function
+  def step():
+    with s.scope():
+      result = s.call_for_each_tower(
+          lambda: {"write": v.assign_add(1.0), "mode": "train", "n": 32, "none": None,
+                   "array": np.ones(2), "keras": kv, "variable": v})
+      return isinstance(s.group(result), tf.Operation)
+
+  with s.scope():
+    assert s.group({"mode": "train", "n": 32}) is None  # Eagerly, as always.
+  assert bool(step())
+  assert float(v.numpy()) == 1.0  # The grouped write ran (the towers' mean of 1).
+
+
 def test_flatten_and_pack_as_round_trip():
   pair = collections.namedtuple("Pair", ["a", "b"])
   structure = {"x": [1, (2, pair(3, None))], "y": 4}
