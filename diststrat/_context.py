@@ -217,6 +217,35 @@ def update_device_scope(device):
     stack.pop()
 
 
+# --- the variables new variables are colocated with (colocate_vars_with) ---
+
+
+def colocation_target(strategy):
+  """The variable of the innermost `colocate_vars_with()` of `strategy` in this thread's
+  context (carried into tower threads), or None."""
+  for owner, var in reversed(getattr(_state, "colocations", None) or []):
+    if owner is strategy:
+      return var
+  return None
+
+
+@contextlib.contextmanager
+def colocation_scope(strategy, var):
+  """Context manager: `strategy`'s new variables are colocated with `var` in the body."""
+  stack = getattr(_state, "colocations", None)
+  if stack is None:
+    stack = _state.colocations = []
+  entry = (strategy, var)
+  stack.append(entry)
+  try:
+    yield
+  finally:
+    for i in range(len(stack) - 1, -1, -1):
+      if stack[i] is entry:
+        del stack[i]
+        break
+
+
 class TowerContext:
   """The context of one tower: its id, the tower count, and `merge_call`.
 
@@ -397,7 +426,8 @@ class ThreadState:
   """This thread's diststrat and TensorFlow state, to carry into another thread.
 
   Made in one thread, entered in another (`with state.enter():`): the other thread then
-  runs in the same diststrat context (strategy, tower or cross-tower, update device) and
+  runs in the same diststrat context (strategy, tower or cross-tower, update device,
+  `colocate_vars_with`) and
   with the same TensorFlow state: graph (so it can add to a `tf.function` being traced),
   name scope, variable creator stack, control dependencies, device scope, and the
   context of a SavedModel save tracing its functions. Tower
@@ -413,6 +443,7 @@ class ThreadState:
     self.device = _tf_internal.current_device()
     self.modes = list(_stack())
     self.update_devices = list(getattr(_state, "update_devices", None) or [])
+    self.colocations = list(getattr(_state, "colocations", None) or [])
     self.save_options = _tf_internal.saved_model_trace_options()
 
   @contextlib.contextmanager
@@ -433,12 +464,15 @@ class ThreadState:
       if self.save_options is not None and not _tf_internal.in_saved_model_trace():
         stack.enter_context(_tf_internal.saved_model_trace(self.save_options))
       saved_modes, saved_updates = list(_stack()), getattr(_state, "update_devices", None)
+      saved_colocations = getattr(_state, "colocations", None)
       _state.stack = list(self.modes)
       _state.update_devices = list(self.update_devices)
+      _state.colocations = list(self.colocations)
 
       def restore():
         _state.stack = saved_modes
         _state.update_devices = saved_updates
+        _state.colocations = saved_colocations
 
       stack.callback(restore)
       if self.modes:

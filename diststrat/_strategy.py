@@ -490,20 +490,12 @@ class DistributionStrategy:
         "inside its own scope().")
 
   def _colocation_target(self):
-    """The variable given to the innermost `colocate_vars_with()` of this thread, or None."""
-    stack = getattr(self._local, "colocate", None)
-    return stack[-1] if stack else None
+    """The variable given to the innermost `colocate_vars_with()` of this strategy in
+    this thread's context (tower threads get their caller's), or None."""
+    return _context.colocation_target(self)
 
-  @contextlib.contextmanager
   def _push_colocation(self, var):
-    stack = getattr(self._local, "colocate", None)
-    if stack is None:
-      stack = self._local.colocate = []
-    stack.append(var)
-    try:
-      yield
-    finally:
-      stack.pop()
+    return _context.colocation_scope(self, var)
 
   def _tower_scope(self, tower_context):
     """Context manager for subclasses: run the body as the tower of `tower_context`."""

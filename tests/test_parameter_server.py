@@ -154,6 +154,28 @@ def test_a_variable_with_an_aggregation_passes_to_towers_and_out_of_merge_fn(mod
   assert float(v.numpy()) == 1.5  # The mean of the towers' 1 and 2.
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_colocate_vars_with_holds_in_the_towers_it_encloses(mode):
+  # The colocation was kept per thread and tower threads did not get it: a variable
+  # created in a tower inside `colocate_vars_with(anchor)` went where the placement
+  # policy put it.
+  s = _strategy("round_robin")
+  with s.scope():
+    anchor = tf.Variable(1.0, name="anchor")  # PS[0]; round robin puts the next on PS[1].
+    made = []
+
+    def fn():
+      if not made:
+        made.append(tf.Variable(2.0, name="in_tower"))
+      return made[0].read_value()
+
+    call = lambda: s.call_for_each_tower(fn)
+    with s.colocate_vars_with(anchor):
+      (tf.function(call) if mode == "function" else call)()
+  assert anchor.device == PS[0]
+  assert made[0].device == PS[0]
+
+
 def test_non_slot_variables_on_one_ps_device():
   s = _strategy()
   with s.scope():
