@@ -145,6 +145,31 @@ def _as_saved(value):
   return view(value)
 
 
+def _check_update_values(method, args, kwargs):
+  """Raises `ValueError` if an argument of `update`/`update_non_slot` is per-tower.
+
+  They take values mirrored over the devices they update: a `PerDevice` would give
+  each copy of a variable its own tower's value, and the copies would differ.
+  """
+  for leaf in _wrapped.flatten((args, kwargs)):
+    if isinstance(leaf, _wrapped.PerDevice):
+      raise ValueError(
+          f"{method}() takes values mirrored over the devices it updates (each copy of "
+          "the variable is written with the same value), not one value per tower. "
+          f"Received: a PerDevice over {list(leaf.devices)}. Combine the towers' values "
+          "first: strategy.reduce('sum' or 'mean', value, destinations=var) gives one "
+          "value on every device holding var.")
+
+
+def _missing_copy(method, devices, device, error):
+  """The `ValueError` of an update whose wrapped argument has no copy on `device`."""
+  return ValueError(
+      f"{method}() takes values mirrored over the devices it updates {list(devices)}. "
+      f"Received: a Mirrored with no copy on {device} ({error}). Reduce or broadcast "
+      "the value onto the variable: strategy.reduce(..., destinations=var) or "
+      "strategy.broadcast(value, destinations=var).")
+
+
 def _static_rank(component):
   shape = getattr(component, "shape", None)
   if shape is None:
@@ -343,6 +368,7 @@ class DistributionStrategy:
     """
     var = _arguments.check_variable("update", var)
     _arguments.check_callable("update", "fn", fn)
+    _check_update_values("update", args, kwargs)
     return self._update(var, fn, args, kwargs)
 
   @cross_tower_method
@@ -354,6 +380,7 @@ class DistributionStrategy:
       colocate_with: the result of `non_slot_devices(var_list)`.
     """
     _arguments.check_callable("update_non_slot", "fn", fn)
+    _check_update_values("update_non_slot", args, kwargs)
     return self._update_non_slot(colocate_with, fn, args, kwargs)
 
   @errors.keeps_errors_in_tf_function
@@ -529,11 +556,15 @@ class DistributionStrategy:
     `first_arg`, if given, is a wrapped value whose component on each device becomes
     fn's first argument (the variable in `update`).
     """
+    method = "update" if first_arg is not None else "update_non_slot"
     results = []
     for device in devices:
       with tf.device(device), _context.update_device_scope(device):
-        call_args = _wrapped.select_device(device, args)
-        call_kwargs = _wrapped.select_device(device, kwargs)
+        try:
+          call_args = _wrapped.select_device(device, args)
+          call_kwargs = _wrapped.select_device(device, kwargs)
+        except ValueError as e:
+          raise _missing_copy(method, devices, device, e) from e
         if first_arg is not None:
           call_args = (_wrapped.select_device(device, first_arg),) + tuple(call_args)
         results.append(fn(*call_args, **call_kwargs))

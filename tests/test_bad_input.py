@@ -75,6 +75,38 @@ def test_update_needs_a_variable_and_a_callable():
       s.update_non_slot(s.non_slot_devices([v]), 1)
 
 
+def _per_tower(s):
+  return s.call_for_each_tower(lambda i: tf.cast(i, tf.float32) + 1.0, s.worker_device_index)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("kind", ["mirrored", "ps"])
+def test_update_refuses_per_tower_values_and_values_missing_a_copy_of_var(kind, mode):
+  # update() takes values mirrored over var's devices (V(var)). A PerDevice was taken
+  # as one value per copy (MirroredStrategy: the copies of var silently diverged), and
+  # a Mirrored with no copy where var lives (ParameterServerStrategy: a reduce without
+  # destinations=var) failed in DistributedValues.get(), which named neither update()
+  # nor the fix.
+  s = (ds.MirroredStrategy(CPUS[:2]) if kind == "mirrored" else
+       ds.ParameterServerStrategy(worker_devices=CPUS[:2], ps_devices=CPUS[2:3]))
+  run = tf.function(lambda call: call()) if mode == "function" else (lambda call: call())
+  with s.scope():
+    v = tf.Variable(0.0)
+    calls = [lambda: s.update(v, lambda c, x: c.assign_add(x), _per_tower(s)),
+             lambda: s.update(v, lambda c, x=None: c.assign_add(x), x=_per_tower(s)),
+             lambda: s.update_non_slot(s.non_slot_devices([v]), lambda x: x, _per_tower(s))]
+    for call in calls:
+      with pytest.raises(ValueError, match=r"takes values mirrored over the devices it "
+                         r"updates.*Received: a PerDevice.*reduce\("):
+        run(call)
+    if kind == "ps":
+      with pytest.raises(ValueError, match=r"update\(\) takes values mirrored over the "
+                         r"devices it updates \['/job:localhost/replica:0/task:0/device:CPU:2'"
+                         r"\].*Received: a Mirrored with no copy on .*CPU:2.*destinations=var"):
+        run(lambda: s.update(v, lambda c, x: c.assign_add(x), s.reduce("sum", _per_tower(s))))
+    assert [float(c.numpy()) for c in s.unwrap(v)] == [0.0] * len(s.unwrap(v))  # Unwritten.
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_non_callables_are_refused_at_the_call(mode):
   s = ds.MirroredStrategy(CPUS[:2])

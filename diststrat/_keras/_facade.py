@@ -291,9 +291,11 @@ class ExtendedAdapter:
       copies = _training.summed_copies(x, devices)  # The sum Keras got: its copy on each device.
       if copies is not None and all(d in copies for d in devices):
         return copies
-      if isinstance(x, _wrapped.DistributedValues) and not isinstance(x, tf.Variable) and \
-          not all(d in x for d in devices):
-        return x.primary
+      if isinstance(x, _wrapped.DistributedValues) and not isinstance(x, tf.Variable):
+        if not all(d in x for d in devices):
+          return x.primary
+        # All-reduced: per tower (as merge_call regroups the towers' copies), but copies.
+        return _wrapped.Mirrored(dict(zip(x.devices, x.values, strict=True)))
       return x
 
     args = _wrapped.pack_as(tuple(args), [local(x) for x in _wrapped.flatten(tuple(args))])
