@@ -170,6 +170,31 @@ def test_group_of_a_structure_with_plain_values_runs_its_ops_in_a_graph(strategy
   assert float(v.numpy()) == 1.0  # The grouped write ran (the towers' mean of 1).
 
 
+def test_regroup_select_device_and_pack_as_keep_the_dict_type():
+  # They made a plain dict of an OrderedDict or a defaultdict: a tower function's
+  # OrderedDict came back a dict under MirroredStrategy, and as itself under the
+  # default strategy.
+  devices = CPUS[:2]
+  counts = collections.defaultdict(list, {"b": 1, "a": 2})
+  towers = [collections.OrderedDict([("b", i), ("a", None)]) for i in range(2)]
+  merged = regroup(towers, devices)
+  assert type(merged) is collections.OrderedDict and list(merged) == ["b", "a"]
+  back = select_device(devices[1], merged)
+  assert type(back) is collections.OrderedDict and back == towers[1]
+  same = regroup([counts, counts], devices)
+  assert type(same) is collections.defaultdict and same.default_factory is list
+  assert same == counts and type(select_device(devices[0], same)) is collections.defaultdict
+  packed = _wrapped.pack_as(counts, ["x", "y"])
+  assert type(packed) is collections.defaultdict and packed == {"b": "x", "a": "y"}
+  with ds.MirroredStrategy(devices[:1]).scope() as s:
+    assert type(s.call_for_each_tower(lambda: towers[0])) is collections.OrderedDict
+
+
+def test_regroup_of_no_towers_names_the_problem():
+  with pytest.raises(ValueError, match=r"regroup\(\) needs at least one tower's structure"):
+    regroup([], [])
+
+
 def test_flatten_and_pack_as_round_trip():
   pair = collections.namedtuple("Pair", ["a", "b"])
   structure = {"x": [1, (2, pair(3, None))], "y": 4}

@@ -1,5 +1,6 @@
 """Wrapped values: one value per device, and moving between per-tower and wrapped forms."""
 
+import collections
 from typing import Any, Mapping, Sequence
 
 from diststrat._tf import tf
@@ -225,6 +226,20 @@ def _kind(x):
   return ("leaf",)
 
 
+def _dict_like(template, items):
+  """A dict of `template`'s type (OrderedDict, defaultdict, ...) holding `items` in order."""
+  if type(template) is dict:  # pylint: disable=unidiomatic-typecheck
+    return dict(items)
+  if isinstance(template, collections.defaultdict):
+    result = collections.defaultdict(template.default_factory)
+    result.update(items)
+    return result
+  try:
+    return type(template)(items)
+  except TypeError:  # A mapping class built otherwise.
+    return dict(items)
+
+
 def regroup(values_per_tower: Sequence[Any], devices: Sequence[str],
             wrap_class: type | None = None) -> Any:
   """Merges per-tower structures leaf by leaf into one structure of wrapped values.
@@ -252,6 +267,9 @@ def regroup(values_per_tower: Sequence[Any], devices: Sequence[str],
   """
   values_per_tower = list(values_per_tower)
   devices = _devices.canonicalize_all(devices)
+  if not values_per_tower:
+    raise ValueError("regroup() needs at least one tower's structure (and its device). "
+                     f"Received: values_per_tower=[], devices={list(devices)}.")
   if len(values_per_tower) != len(devices):
     raise ValueError(f"regroup() needs one structure per device: got "
                      f"{len(values_per_tower)} structures for {len(devices)} devices.")
@@ -276,7 +294,8 @@ def _regroup(items, devices, roots, wrap_class):
     merged = [_regroup([it[j] for it in items], devices, roots, wrap_class) for j in range(len(first))]
     return tuple(merged) if kind[0] == "tuple" else merged
   if kind[0] == "dict":
-    return {k: _regroup([it[k] for it in items], devices, roots, wrap_class) for k in first}
+    return _dict_like(first, [(k, _regroup([it[k] for it in items], devices, roots, wrap_class))
+                              for k in first])
   if all(item is first for item in items):
     return first
   container = container_of(first)
@@ -326,7 +345,7 @@ def _pack(x, leaves):
   if isinstance(x, (list, tuple)):
     return type(x)(_pack(v, leaves) for v in x)
   if isinstance(x, dict):
-    return {k: _pack(v, leaves) for k, v in x.items()}
+    return _dict_like(x, [(k, _pack(v, leaves)) for k, v in x.items()])
   return next(leaves)
 
 
@@ -378,7 +397,7 @@ def _select(device, x, keep_remote_variables=False):
   if isinstance(x, list):
     return [_select(device, v, keep_remote_variables) for v in x]
   if isinstance(x, dict):
-    return {k: _select(device, v, keep_remote_variables) for k, v in x.items()}
+    return _dict_like(x, [(k, _select(device, v, keep_remote_variables)) for k, v in x.items()])
   return x
 
 
