@@ -453,9 +453,10 @@ class DistributionStrategy:
     destinations = _wrapped.resolve_destinations(destinations, default=None)  # No copy.
     value = _as_saved(value)
     if not _wrapped.is_structure(value):
+      value = self._in_tower_order(value)
       _check_gather_axis(axis, self._unwrap(as_tf_variable(value)))
       return self._gather(value, axis, destinations)
-    leaves = _wrapped.flatten(value)
+    leaves = [self._in_tower_order(leaf) for leaf in _wrapped.flatten(value)]
     for leaf in leaves:
       _check_gather_axis(axis, self._unwrap(as_tf_variable(leaf)))
     return _wrapped.pack_as(value, [self._gather(leaf, axis, destinations)
@@ -492,6 +493,19 @@ class DistributionStrategy:
 
   def _is_default(self):
     return self is _context.default_strategy()
+
+  def _in_tower_order(self, value):
+    """`value`, with its components in tower order if it has one on each worker device.
+
+    A wrapped value keeps the order it was built in, which need not be the towers'.
+    """
+    if self._is_default() or not isinstance(value, (_wrapped.PerDevice, _wrapped.Mirrored)):
+      return value
+    workers = self._worker_devices()
+    if value.devices == workers or set(value.devices) != set(workers):
+      return value
+    wrap = _wrapped.Mirrored if isinstance(value, _wrapped.Mirrored) else _wrapped.PerDevice
+    return wrap({device: value.get(device) for device in workers})
 
   def _cross_tower_guard(self, method_name):
     """Returns a context manager in which `method_name` may run, or raises."""

@@ -170,6 +170,24 @@ def test_group_of_a_structure_with_plain_values_runs_its_ops_in_a_graph(strategy
   assert float(v.numpy()) == 1.0  # The grouped write ran (the towers' mean of 1).
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("kind", ["mirrored", "ps"])
+def test_gather_concatenates_in_tower_order_whatever_the_dict_order(kind, mode):
+  # gather() concatenated a PerDevice's components in its own order: one built with
+  # tower 1's device first gave tower 1's value first.
+  s = (ds.MirroredStrategy(CPUS[:2]) if kind == "mirrored" else
+       ds.ParameterServerStrategy(worker_devices=CPUS[:2], ps_devices=CPUS[2:3]))
+
+  def gather():
+    value = PerDevice({CPUS[1]: tf.constant([2.0, 3.0]), CPUS[0]: tf.constant([1.0])})
+    return s.gather(value), s.gather({"x": value}, destinations=CPUS[3])["x"]
+
+  with s.scope():
+    on_first, mirrored = tf.function(gather)() if mode == "function" else gather()
+  assert on_first.numpy().tolist() == [1.0, 2.0, 3.0]
+  assert [c.numpy().tolist() for c in mirrored.values] == [[1.0, 2.0, 3.0]]
+
+
 def test_regroup_select_device_and_pack_as_keep_the_dict_type():
   # They made a plain dict of an OrderedDict or a defaultdict: a tower function's
   # OrderedDict came back a dict under MirroredStrategy, and as itself under the
