@@ -511,3 +511,37 @@ def test_residual_and_lstm_models_on_batches_smaller_than_the_tower_count(kind):
   for got, want in zip(towers[:4], reference[:4], strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert_all_close(towers[4], reference[4])
+
+
+@pytest.mark.parametrize("data", ["shuffled tf.data", "generator", "PyDataset"])
+def test_fit_reads_the_data_as_one_device_does(data):
+  """Under a strategy, Keras's fit (and evaluate) took one batch from a pass of their own
+  over the data before the first step, for its shapes. A dataset that reshuffles each
+  pass then gave the first epoch its second order, a Python generator lost the batches
+  that pass took (and the prefetch after it), a shuffled PyDataset another order. The
+  model is built from the dataset's element spec instead."""
+  x, y = _data()
+
+  class Batches(keras.utils.PyDataset):
+    def __len__(self):
+      return 4
+
+    def __getitem__(self, i):
+      return x[24 * i:24 * (i + 1)], y[24 * i:24 * (i + 1)]
+
+  def fit(model):
+    tf.random.set_seed(0)
+    keras.utils.set_random_seed(2)
+    if data == "generator":
+      batches = (b for _ in range(3) for b in Batches())
+      model.fit(batches, steps_per_epoch=4, epochs=2, verbose=0)
+    elif data == "PyDataset":
+      model.fit(Batches(), epochs=2, shuffle=True, verbose=0)
+    else:
+      dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(96, seed=1).batch(24)
+      model.fit(dataset, epochs=2, verbose=0)
+    return model.get_weights()
+
+  reference = fit(_make("sgd_momentum", list(_initial_weights())))
+  assert_all_close(fit(_build(STRATEGIES["mirrored2"](), "sgd_momentum")), reference)
+

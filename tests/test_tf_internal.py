@@ -351,6 +351,26 @@ def test_keras_model_on_stack():
   assert _tf_internal.keras_model_on_stack(max_frames=60) is None  # No model here.
 
 
+def test_wrap_keras_symbolic_build_and_keras_epoch_iterator_dataset():
+  calls = []
+
+  def wrapper(own, iterator=None, data_batch=None):
+    dataset = _tf_internal.keras_epoch_iterator_dataset(iterator)
+    calls.append(getattr(dataset, "element_spec", None))
+    return own(iterator=iterator, data_batch=data_batch)
+
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+  model.compile(optimizer="sgd", loss="mse")
+  assert _tf_internal.wrap_keras_symbolic_build(model, wrapper)
+  assert _tf_internal.keras_epoch_iterator_dataset(object()) is None
+  model.fit(np.zeros((4, 3), np.float32), np.zeros((4, 1), np.float32), verbose=0)
+  model.evaluate(np.zeros((4, 3), np.float32), np.zeros((4, 1), np.float32), verbose=0)
+  expected = (tf.TensorSpec((None, 3), tf.float32), tf.TensorSpec((None, 1), tf.float32))
+  assert calls == [expected, expected], _broke(
+      "wrap_keras_symbolic_build or keras_epoch_iterator_dataset",
+      f"Keras {keras.__version__}: fit and evaluate called the wrapper with {calls!r}")
+
+
 def test_keras_optimizer_being_created():
   found = []
 

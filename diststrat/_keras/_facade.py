@@ -447,7 +447,11 @@ class StrategyAdapter:
     _file_callbacks.redirect_fit_callbacks(self._ds)
     # And predict asks for it before it makes its step: the one place diststrat meets
     # a model that only predicts, before its steps run.
-    _training.bound_steps(self, _tf_internal.keras_model_on_stack(max_frames=8))
+    model = _tf_internal.keras_model_on_stack(max_frames=8)
+    _training.bound_steps(self, model)
+    # And fit and evaluate ask for it right before Keras builds the model from a batch
+    # of it: from its element spec instead, the data is not read an extra time.
+    _training.build_from_element_spec(model)
     return dataset.prefetch(tf.data.AUTOTUNE)
 
   def distribute_datasets_from_function(self, dataset_fn, options=None):

@@ -580,3 +580,58 @@ def _wrap_step_functions(model, strategy):
 
     _bounded_functions.add(bounded)
     object.__setattr__(model, attribute, bounded)
+
+
+# --- a Keras model built from its dataset's element spec, not from a batch of it -------
+
+_spec_built_models: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def build_from_element_spec(model):
+  """Makes `model`'s `fit` and `evaluate` build it (and its compiled metrics, loss and
+  optimizer) from their dataset's element spec, not from a batch taken from the data.
+
+  Under any strategy (tf.distribute's too), Keras's TensorFlow trainer starts `fit` and
+  every `evaluate` (each validation included) by iterating the data once more and taking
+  one batch, only for its shapes and dtypes; one device makes no such pass. That pass
+  changed what the steps see: a Python generator lost the batches it gave it (the first
+  ones, and as many more as the prefetch had taken, so a varying number), and a
+  `tf.data` dataset that reshuffles each iteration (`shuffle(..., seed=...)`) gave the
+  first epoch its second order. The element spec gives the same shapes, the batch size
+  left unknown, as a traced step on one device sees. Where the spec leaves another
+  dimension unknown (a generator of batches of varying length), a real batch may be
+  needed to build the model, and Keras's own pass runs.
+  """
+  if not hasattr(model, "get_metrics_result") or model in _spec_built_models:
+    return  # (Only a Keras model (Trainer) has get_metrics_result.)
+  if _tf_internal.wrap_keras_symbolic_build(model, _build_from_element_spec):
+    _spec_built_models.add(model)
+
+
+def _build_from_element_spec(own, iterator=None, data_batch=None):
+  if iterator is not None and data_batch is None:
+    dataset = _tf_internal.keras_epoch_iterator_dataset(iterator)
+    spec = getattr(dataset, "element_spec", None)
+    batch = _symbolic_batch(spec) if spec is not None else None
+    if batch is not None:
+      return own(data_batch=batch)
+  return own(iterator=iterator, data_batch=data_batch)
+
+
+def _symbolic_batch(spec):
+  """`spec` (a dataset's element spec) with each leaf's `tf.TensorSpec`, a `None` for an
+  empty optional (Keras's placeholder for a missing sample weight); None if a leaf is
+  anything else or has an unknown dimension other than the first."""
+  usable = True
+
+  def leaf(s):
+    nonlocal usable
+    if isinstance(s, tf.OptionalSpec):
+      return None
+    if not isinstance(s, tf.TensorSpec) or s.shape.rank is None or \
+        None in s.shape.as_list()[1:]:
+      usable = False
+    return s
+
+  batch = tf.nest.map_structure(leaf, spec)
+  return batch if usable else None

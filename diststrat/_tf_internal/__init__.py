@@ -61,6 +61,7 @@ from diststrat._tf_internal._functions import tf_function_jit_compile as tf_func
 from diststrat._tf_internal._keras import called_by_keras_loss as called_by_keras_loss
 from diststrat._tf_internal._keras import called_by_keras_trainer as called_by_keras_trainer
 from diststrat._tf_internal._keras import keras_backing_variable as keras_backing_variable
+from diststrat._tf_internal._keras import keras_epoch_iterator_dataset as keras_epoch_iterator_dataset
 from diststrat._tf_internal._keras import keras_fit_callbacks as keras_fit_callbacks
 from diststrat._tf_internal._keras import keras_optimizer_strategy as keras_optimizer_strategy
 from diststrat._tf_internal._keras import keras_seed_generators as keras_seed_generators
@@ -74,6 +75,7 @@ from diststrat._tf_internal._keras import keras_output_loss_trackers as keras_ou
 from diststrat._tf_internal._keras import keras_variable_origin as keras_variable_origin
 from diststrat._tf_internal._keras import restore_keras_backup_dir as restore_keras_backup_dir
 from diststrat._tf_internal._keras import set_keras_backup_dir as set_keras_backup_dir
+from diststrat._tf_internal._keras import wrap_keras_symbolic_build as wrap_keras_symbolic_build
 from diststrat._tf_internal._tapes import record_backward as record_backward
 from diststrat._tf_internal._tapes import record_variable_read as record_variable_read
 from diststrat._tf_internal._tapes import should_record as should_record
@@ -140,7 +142,7 @@ __all__ = [
     "keras_output_loss_trackers",
     "keras_loss_tracker",
     "keras_variable_origin", "keras_fit_callbacks", "set_keras_backup_dir",
-    "restore_keras_backup_dir",
+    "restore_keras_backup_dir", "keras_epoch_iterator_dataset", "wrap_keras_symbolic_build",
     # the distribution-mode stack
     "tf_distribution_mode",
     # AutoGraph

@@ -7,6 +7,9 @@
   (`keras_output_loss_trackers`).
 - Whether Keras's trainer or loss module is the caller (`called_by_keras_trainer`,
   `called_by_keras_loss`).
+- The dataset of `fit`'s and `evaluate`'s epoch iterator
+  (`keras_epoch_iterator_dataset`), and the model's build from a batch before the first
+  step (`wrap_keras_symbolic_build`).
 - The callbacks of the `fit` call running (`keras_fit_callbacks`), and the file paths a
   `BackupAndRestore` callback derives from its directory (`set_keras_backup_dir`,
   `restore_keras_backup_dir`).
@@ -18,9 +21,11 @@ Keras's modules are looked up among those already imported (a Keras variable bei
 created means Keras is loaded), never imported here.
 """
 
+import functools
 import inspect
 import os
 import sys
+import weakref
 
 from diststrat._tf import tf
 
@@ -142,6 +147,41 @@ def keras_loss_tracker(model):
   batch size as weight; it keeps it as `model._loss_tracker`, with no public accessor.
   """
   return getattr(model, "_loss_tracker", None)
+
+
+def keras_epoch_iterator_dataset(iterator):
+  """The dataset a Keras 3 `fit`/`evaluate` epoch iterator iterates, or None.
+
+  Keras's TensorFlow trainer (`TFEpochIterator`) keeps what the strategy's
+  `experimental_distribute_dataset` returned in `_distributed_dataset`, with no public
+  accessor.
+  """
+  return getattr(iterator, "_distributed_dataset", None)
+
+
+def wrap_keras_symbolic_build(model, wrapper):
+  """Replaces a Keras 3 model's `_maybe_symbolic_build` on the instance (its class is not
+  changed) by `wrapper(own, iterator=None, data_batch=None)`, `own` being the class's
+  method bound to the model. False if the model's class has no such method.
+
+  Under a strategy, Keras's TensorFlow trainer calls it at the start of `fit` and of
+  each `evaluate` (validation included), to build the model, its compiled metrics and
+  loss and the optimizer before the first step. Given the epoch iterator, it takes a
+  batch from a pass of its own over the data, which one device never makes; given a
+  `data_batch`, it takes the batch's shapes and dtypes only. No public argument or hook
+  chooses which.
+  """
+  own = getattr(type(model), "_maybe_symbolic_build", None)
+  if own is None:
+    return False
+  model_ref = weakref.ref(model)
+
+  def maybe_symbolic_build(iterator=None, data_batch=None):
+    return wrapper(functools.partial(own, model_ref()), iterator=iterator,
+                   data_batch=data_batch)
+
+  object.__setattr__(model, "_maybe_symbolic_build", maybe_symbolic_build)  # Not tracked.
+  return True
 
 
 _KERAS_TF_TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
