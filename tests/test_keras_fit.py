@@ -545,3 +545,17 @@ def test_fit_reads_the_data_as_one_device_does(data):
   reference = fit(_make("sgd_momentum", list(_initial_weights())))
   assert_all_close(fit(_build(STRATEGIES["mirrored2"](), "sgd_momentum")), reference)
 
+
+def test_stateful_recurrent_layers_on_several_towers_say_what_to_do():
+  """A stateful RNN keeps one state per example of the whole batch; split across towers,
+  Keras's error said the batch size was wrong (2 for 4), which no batch size fixes."""
+  x = np.zeros((8, 3, 2), np.float32)
+  with ds.MirroredStrategy(CPUS[:2]).scope():
+    model = keras.Sequential([keras.Input((3, 2), batch_size=4),
+                              keras.layers.GRU(3, stateful=True), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+  for run in (lambda: model.fit(x, x[:, 0, :1], batch_size=4, verbose=0),
+              lambda: model.predict(x, batch_size=4, verbose=0)):
+    with pytest.raises(ValueError, match=r"stateful recurrent layers \['gru'\].*2 towers"
+                                         r".*stateful=False.*one device"):
+      run()

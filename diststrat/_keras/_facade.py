@@ -452,6 +452,7 @@ class StrategyAdapter:
     # And fit and evaluate ask for it right before Keras builds the model from a batch
     # of it: from its element spec instead, the data is not read an extra time.
     _training.build_from_element_spec(model)
+    _model_checks.check_stateful_layers(self._ds, model)
     return dataset.prefetch(tf.data.AUTOTUNE)
 
   def distribute_datasets_from_function(self, dataset_fn, options=None):

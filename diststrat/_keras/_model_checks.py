@@ -133,6 +133,7 @@ def check_model(adapter, model):
         f"scope, such as {foreign[:3]}. Build and compile the model inside "
         "`with strategy.scope():` so that its variables are distributed, or train "
         "it outside any strategy.")
+  check_stateful_layers(strategy, model)
   optimizer = getattr(model, "optimizer", None)
   captured = _tf_internal.keras_optimizer_strategy(optimizer)
   if captured is not None and captured is not adapter:
@@ -143,3 +144,43 @@ def check_model(adapter, model):
         "`with strategy.scope():`.")
   if model.variables:
     _checked_models[model] = adapter
+
+
+def check_stateful_layers(strategy, model):
+  """Refuses a Keras model with stateful recurrent layers (`stateful=True`) where each
+  batch is split across several towers: the layer keeps one state per example of the
+  batch from one batch to the next, and no tower sees the whole batch. Keras's own
+  error said the batch size was wrong (a tower's part against the batch the state was
+  built for), and a fix of the batch size would have averaged the towers' states.
+  Checked with the model (`check_model`) and when `predict` asks for its dataset; a
+  program whose only call is `predict_on_batch` gets Keras's error."""
+  if model is None or not hasattr(model, "get_metrics_result") or strategy.num_towers <= 1:
+    return
+  stateful = [layer.name for layer in _layers(model) if getattr(layer, "stateful", False) is True]
+  if stateful:
+    raise ValueError(
+        f"The Keras model {model.name!r} has stateful recurrent layers {stateful} "
+        f"(stateful=True), but under {strategy!r} each batch is split across "
+        f"{strategy.num_towers} towers: a stateful layer carries one state per example "
+        "of the whole batch from batch to batch, which no tower sees. Train it with "
+        "stateful=False (pass the states as inputs, initial_state=, if batches must "
+        "continue each other), or on one device (outside any strategy, or a "
+        "MirroredStrategy with one device).")
+
+
+def _layers(layer):
+  """`layer` and every layer nested in it through `.layers` (models) or a wrapper's
+  `.layer`, `.forward_layer` and `.backward_layer` (`Bidirectional`, `TimeDistributed`)."""
+  found, stack, seen = [], [layer], set()
+  while stack:
+    current = stack.pop()
+    if id(current) in seen:
+      continue
+    seen.add(id(current))
+    found.append(current)
+    stack.extend(getattr(current, "layers", None) or ())
+    for name in ("layer", "forward_layer", "backward_layer"):
+      inner = getattr(current, name, None)
+      if inner is not None and hasattr(inner, "stateful"):
+        stack.append(inner)
+  return found
