@@ -1,5 +1,6 @@
 """Optimizers (docs/optimizers.md): textbook rules, N towers == one device, state, checkpoints."""
 
+import contextlib
 import functools
 import re
 
@@ -508,3 +509,47 @@ def test_hyperparameters_of_every_accepted_kind_train_alike():
     ds.optimizers.GradientDescent(lr).apply_gradients([(tf.constant(2.0), v)])
     results.append(float(v))
   assert results == [0.0] * 5
+
+
+@pytest.mark.parametrize("kind", ["tensor", "variable", "callable"])
+def test_adam_betas_of_every_accepted_kind_train_like_numbers(kind):
+  """A callable beta1/beta2 (a schedule) failed at the first apply: the beta powers were
+  made with tf.constant(callable) and advanced with tf.cast(callable)."""
+  wrap = {"tensor": tf.constant, "variable": tf.Variable,
+          "callable": lambda x: (lambda: x)}[kind]
+  results = []
+  for make in (lambda: optimizers.Adam(0.1, beta1=0.8, beta2=0.99, epsilon=1e-6),
+               lambda: optimizers.Adam(wrap(0.1), beta1=wrap(0.8), beta2=wrap(0.99),
+                                       epsilon=wrap(1e-6))):
+    v = tf.Variable([1.0, -2.0])
+    opt = make()
+    for _ in range(3):
+      opt.apply_gradients([(tf.constant([0.5, 1.5]), v)])
+    results.append((v.numpy(), float(opt.beta1_power.numpy()), float(opt.beta2_power.numpy())))
+  np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-6)
+  np.testing.assert_allclose(results[1][1:], [0.8**4, 0.99**4], rtol=1e-6)
+  np.testing.assert_allclose(results[0][0], np_adam(np.array([1.0, -2.0]), [np.array(
+      [0.5, 1.5])] * 3, lr=0.1, b1=0.8, b2=0.99, eps=1e-6), rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [lambda: optimizers.GradientDescent(0.1),
+                                  lambda: optimizers.Momentum(0.1, 0.9),
+                                  lambda: optimizers.Adam(0.1)], ids=["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("towers", [0, 2], ids=["no_strategy", "two_towers"])
+def test_integer_variable_is_refused_by_name(make, towers):
+  """An integer variable reached TensorFlow's kernels: 'No OpKernel was registered to
+  support Op ResourceApplyGradientDescent ... T=DT_INT32' (Adam: 'Cannot convert 0.9 to
+  EagerTensor of dtype int32'), naming neither the variable nor the fix."""
+  s = ds.MirroredStrategy(CPUS[:towers]) if towers else None
+  with s.scope() if s else contextlib.nullcontext():
+    count = tf.Variable([3, 4], name="count")
+    opt = make()
+    message = (r"apply_gradients\(\) got variable 'count' of dtype int32.*floating-point "
+               r"or complex.*trainable=False")
+    with pytest.raises(TypeError, match=message):
+      if s:
+        s.call_for_each_tower(lambda: opt.apply_gradients([(tf.constant([1, 1]), count)]))
+      else:
+        opt.apply_gradients([(tf.constant([1, 1]), count)])
+    with pytest.raises(TypeError, match=message.replace("apply_gradients", "build")):
+      opt.build([count])

@@ -1,10 +1,12 @@
 """The optimizers diststrat ships: plain SGD, momentum (optionally Nesterov), and Adam."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from diststrat._tf import tf
+from diststrat import _arguments
+from diststrat.errors import keeps_errors_in_tf_function
 from diststrat.optimizers._mixin import DistributedOptimizerMixin
 from diststrat.optimizers._optimizer import Optimizer
 
@@ -22,8 +24,49 @@ def _hyperparameter(optimizer, name, value):
       f"({type(value).__name__}).")
 
 
-class _HyperMixin:
-  """Converts hyperparameters to tensors once per apply, per dtype (not per variable)."""
+def _check_trainable_dtype(optimizer, method, var):
+  """Raises `TypeError` unless `var` is floating-point or complex: the update kernels have
+  no integer version, and TensorFlow's error ("No OpKernel was registered ...") names
+  neither the variable nor the fix."""
+  dtype = var.dtype.base_dtype
+  if not (dtype.is_floating or dtype.is_complex):
+    raise TypeError(
+        f"{optimizer}.{method}() got variable {var.name.split(':')[0]!r} of dtype "
+        f"{dtype.name}, which it cannot train: its update needs a floating-point or complex "
+        "variable. Leave the variable out of var_list (a counter or other state: create "
+        "it with trainable=False), or make it a float variable.")
+
+
+# Read by the type checker as an `Optimizer` subclass (it comes first in the bases), so
+# that it knows what `super()` has.
+if TYPE_CHECKING:
+  _HyperBase = Optimizer
+else:
+  _HyperBase = object
+
+
+class _HyperMixin(_HyperBase):
+  """Converts hyperparameters to tensors once per apply, per dtype (not per variable);
+  refuses variables the update kernels cannot train (integers, booleans)."""
+
+  def _check_pairs(self, grads_and_vars):
+    pairs = super()._check_pairs(grads_and_vars)
+    for _, var in pairs:
+      _check_trainable_dtype(type(self).__name__, "apply_gradients", var)
+    return pairs
+
+  @keeps_errors_in_tf_function
+  def build(self, var_list: Sequence[Any]) -> None:
+    """Creates the optimizer's state for `var_list` now (see `Optimizer.build`)."""
+    var_list = _arguments.check_variable_list("build", var_list, required=True)
+    for var in var_list:
+      _check_trainable_dtype(type(self).__name__, "build", _arguments.as_tf_variable(var))
+    super().build(var_list)
+
+  def _hyper_value(self, name):
+    """The hyperparameter `name` as given, or what its callable returns now."""
+    value = getattr(self, "_" + name)
+    return value() if callable(value) else value
 
   def _prepare(self):
     self._state.hyper_cache = {}  # Plain state: tf.Module must not track these tensors.
@@ -34,9 +77,7 @@ class _HyperMixin:
     if cache is None:
       cache = self._state.hyper_cache = {}
     if key not in cache:
-      value = getattr(self, "_" + name)
-      value = value() if callable(value) else value
-      cache[key] = tf.cast(value, dtype)
+      cache[key] = tf.cast(self._hyper_value(name), dtype)
     return cache[key]
 
 
@@ -122,8 +163,12 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
 
   def _create_slots(self, var_list):
     first = min(var_list, key=lambda v: v.name)
-    self._non_slot_variable("beta1_power", tf.constant(self._beta1, first.dtype), var_list)
-    self._non_slot_variable("beta2_power", tf.constant(self._beta2, first.dtype), var_list)
+    # Initial values as callables: evaluated only when the variable is created (a beta
+    # may be a callable schedule, or a tensor or variable of another dtype).
+    self._non_slot_variable(
+        "beta1_power", lambda: tf.cast(self._hyper_value("beta1"), first.dtype), var_list)
+    self._non_slot_variable(
+        "beta2_power", lambda: tf.cast(self._hyper_value("beta2"), first.dtype), var_list)
     for var in var_list:
       self._zeros_slot(var, "m")
       self._zeros_slot(var, "v")
@@ -158,7 +203,7 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
     del update_ops, name
     beta1_power = self._get_non_slot_variable("beta1_power")
     beta2_power = self._get_non_slot_variable("beta2_power")
-    return [beta1_power.assign(beta1_power * tf.cast(self._beta1, beta1_power.dtype),
+    return [beta1_power.assign(beta1_power * self._hyper("beta1", beta1_power.dtype),
                                read_value=False),
-            beta2_power.assign(beta2_power * tf.cast(self._beta2, beta2_power.dtype),
+            beta2_power.assign(beta2_power * self._hyper("beta2", beta2_power.dtype),
                                read_value=False)]
