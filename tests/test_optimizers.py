@@ -553,3 +553,32 @@ def test_integer_variable_is_refused_by_name(make, towers):
         opt.apply_gradients([(tf.constant([1, 1]), count)])
     with pytest.raises(TypeError, match=message.replace("apply_gradients", "build")):
       opt.build([count])
+
+
+def test_adam_beta_powers_keep_float32_precision_beside_a_float16_variable():
+  """The beta powers took the dtype of the variable with the smallest name: float16
+  beside float32 variables, and each float32 update took a bias correction rounded to
+  float16 (0.8024 for 0.8 after two steps)."""
+  half = tf.Variable(tf.ones([2], tf.float16), name="a_half")
+  single = tf.Variable([1.0, -1.0], name="b_single")
+  opt = optimizers.Adam(0.1)
+  grads = [np.array([1.0, 0.5], np.float32), np.array([0.25, -2.0], np.float32)]
+  for g in grads:
+    opt.apply_gradients([(tf.constant(g, tf.float16), half), (tf.constant(g), single)])
+  assert opt.beta1_power.dtype == tf.float32
+  np.testing.assert_allclose(single.numpy(), np_adam(np.array([1.0, -1.0]), grads, lr=0.1),
+                             rtol=1e-6)
+  np.testing.assert_allclose(half.numpy(), np_adam(np.ones(2), grads, lr=0.1), rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_float64_variables_get_float64_hyperparameters(name):
+  """Python-number hyperparameters went through float32 (tf.cast(0.1, tf.float64) is
+  0.10000000149...): float64 variables drifted from the formula by about 1e-8."""
+  init = np.array([1.0, -2.0, 0.5])
+  grads = [np.array([0.3, -1.0, 2.0]), np.array([1.0, 0.5, -0.25])]
+  var = tf.Variable(init)
+  opt = OPTIMIZERS[name]()
+  for g in grads:
+    opt.apply_gradients([(tf.constant(g), var)])
+  np.testing.assert_allclose(var.numpy(), NUMPY[name](init, grads), rtol=1e-13, atol=0)

@@ -37,6 +37,14 @@ def _check_trainable_dtype(optimizer, method, var):
         "it with trainable=False), or make it a float variable.")
 
 
+def _in_dtype(value, dtype):
+  """`value` as a tensor of `dtype`; a number converts exactly (tf.cast(0.1, tf.float64)
+  goes through float32: 0.10000000149...)."""
+  if isinstance(value, (int, float, np.number)):
+    return tf.constant(value, dtype)
+  return tf.cast(value, dtype)
+
+
 # Read by the type checker as an `Optimizer` subclass (it comes first in the bases), so
 # that it knows what `super()` has.
 if TYPE_CHECKING:
@@ -77,7 +85,7 @@ class _HyperMixin(_HyperBase):
     if cache is None:
       cache = self._state.hyper_cache = {}
     if key not in cache:
-      cache[key] = tf.cast(self._hyper_value(name), dtype)
+      cache[key] = _in_dtype(self._hyper_value(name), dtype)
     return cache[key]
 
 
@@ -149,8 +157,9 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   `m = beta1 * m + (1 - beta1) * grad`, `v = beta2 * v + (1 - beta2) * grad**2`,
   `var -= lr * sqrt(1 - beta2**t) / (1 - beta1**t) * m / (sqrt(v) + epsilon)`.
   Slots `"m"` and `"v"`; `beta1**t` and `beta2**t` are non-slot variables
-  (`beta1_power`, `beta2_power`). A sparse gradient decays `m` and `v` of every row and
-  adds to the rows it names, as the dense update would with zero rows.
+  (`beta1_power`, `beta2_power`; float32, or float64 if a variable is float64). A sparse
+  gradient decays `m` and `v` of every row and adds to the rows it names, as the dense
+  update would with zero rows.
   """
 
   def __init__(self, learning_rate: Any = 0.001, beta1: float = 0.9, beta2: float = 0.999,
@@ -162,13 +171,17 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
     self._epsilon = _hyperparameter(type(self).__name__, "epsilon", epsilon)
 
   def _create_slots(self, var_list):
-    first = min(var_list, key=lambda v: v.name)
+    # float32, or float64 beside a float64 variable; never a variable's narrower dtype
+    # (float16 beside float32 variables rounded their bias correction). Each update casts
+    # the powers to its variable's dtype.
+    wide = any(v.dtype.base_dtype.real_dtype == tf.float64 for v in var_list)
+    dtype = tf.float64 if wide else tf.float32
     # Initial values as callables: evaluated only when the variable is created (a beta
     # may be a callable schedule, or a tensor or variable of another dtype).
     self._non_slot_variable(
-        "beta1_power", lambda: tf.cast(self._hyper_value("beta1"), first.dtype), var_list)
+        "beta1_power", lambda: _in_dtype(self._hyper_value("beta1"), dtype), var_list)
     self._non_slot_variable(
-        "beta2_power", lambda: tf.cast(self._hyper_value("beta2"), first.dtype), var_list)
+        "beta2_power", lambda: _in_dtype(self._hyper_value("beta2"), dtype), var_list)
     for var in var_list:
       self._zeros_slot(var, "m")
       self._zeros_slot(var, "v")
