@@ -294,6 +294,38 @@ def test_custom_optimizer_from_hooks(n):
   assert float(opt.get_slot(v, "count").values[0].numpy()[0]) == 6.0
 
 
+class PlainSignSGD(optimizers.Optimizer):
+  """SignSGD without DistributedOptimizerMixin: fine with no strategy, not in towers."""
+
+  def __init__(self, learning_rate):
+    super().__init__("PlainSignSGD")
+    self._lr = learning_rate
+
+  def _apply_dense(self, grad, var):
+    return var.assign_sub(self._lr * tf.sign(grad), read_value=False)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_an_optimizer_without_the_mixin_in_a_tower_says_to_add_it(traced):
+  """It raised the mirrored variable's "Cannot assign_sub() ... with aggregation NONE",
+  which does not say that the optimizer lacks DistributedOptimizerMixin."""
+  v0 = tf.Variable(1.0)
+  PlainSignSGD(0.25).minimize(lambda: 2.0 * v0, var_list=[v0])  # No strategy: applies.
+  assert float(v0.numpy()) == 0.75
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    v = tf.Variable(1.0)
+    opt = PlainSignSGD(0.25)
+    call = lambda: s.call_for_each_tower(  # noqa: E731
+        lambda: opt.minimize(lambda: 2.0 * v, var_list=[v]))
+    with pytest.raises(ds.errors.ContextError,
+                       match=r"PlainSignSGD 'PlainSignSGD' is not distribution-aware: its "
+                             r"apply_gradients\(\) was called in tower 0 of .*Put "
+                             r"DistributedOptimizerMixin first in its bases"):
+      tf.function(call)() if traced else call()
+  assert [float(c.numpy()) for c in v.values] == [1.0, 1.0]
+
+
 def test_step_graph_groups_the_updates_once():
   """A traced step's no-ops grow with the devices, not with devices x variables.
 

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _context
+from diststrat import errors
 from diststrat._arguments import as_tf_variable
 from diststrat.errors import keeps_errors_in_tf_function
 from diststrat.values import _wrapped
@@ -196,6 +197,7 @@ class Optimizer(tf.Module):
       `global_step` if given, else None: values a `tf.function` can return (inside one,
       every update runs whether or not its result is used).
     """
+    self._check_not_in_a_tower()
     pairs = self._check_pairs(grads_and_vars)
     check_global_step(global_step)
     var_list = [v for _, v in pairs]
@@ -232,6 +234,22 @@ class Optimizer(tf.Module):
           "var_list out to train every trainable variable the loss reads.")
     grads_and_vars = self.compute_gradients(loss, var_list=var_list, tape=tape)
     return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+
+  def _check_not_in_a_tower(self):
+    """Raises ContextError in a tower of a strategy: this class alone does not merge the
+    towers (DistributedOptimizerMixin does), so each tower would write on its own."""
+    tower = _context.get_tower_context()
+    if tower is None or not _context.has_distribution_strategy():
+      return
+    name = type(self).__name__
+    raise errors.ContextError(
+        f"{name} {self.name!r} is not distribution-aware: its apply_gradients() was called "
+        f"in tower {tower.tower_id} of {tower.distribution_strategy!r}, where every tower "
+        "would update the variables on its own. Put DistributedOptimizerMixin first in "
+        f"its bases (class {name}(diststrat.optimizers.DistributedOptimizerMixin, "
+        "diststrat.optimizers.Optimizer)) so that the towers' gradients are summed and "
+        "every copy is updated once, or apply gradients you reduced yourself in "
+        "cross-tower context.")
 
   def _apply_one(self, grad, var):
     """`_apply_sparse` for an `IndexedSlices` gradient, else `_apply_dense`."""
