@@ -924,6 +924,10 @@ def test_local_cluster_takes_numpy_integers():
   with pytest.raises(ValueError, match="num_workers must be a positive integer. Received: "
                                        "num_workers=np.float64"):
     LocalCluster(num_workers=np.float64(2))
+  # A numpy signal number is a signal (it was refused: "sig must be a signal of this
+  # system ... Received: sig=np.int64(9)"); the cluster is not running.
+  with pytest.raises(ClusterError, match="is not running"):
+    cluster.kill("worker", np.int64(1), np.int64(signal.SIGKILL))
 
 
 @pytest.mark.parametrize("spec, kwargs, message", [

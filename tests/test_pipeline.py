@@ -696,6 +696,51 @@ def test_stateful_layers_on_a_later_stage_in_towers_in_a_tf_function(recompute):
     np.testing.assert_allclose(b, a, **TOL)
 
 
+@pytest.mark.parametrize("merge_fn_of", ["method", "keras_bridge"])
+def test_different_merge_fns_in_a_stage_are_refused_as_outside_one(merge_fn_of):
+  """A merge_call in a stage is wrapped to hand each tower its part on its stage device.
+  The wrapper (a functools.partial binding each tower's merge_fn) hid the towers'
+  merge_fns from the check that they are the same: bound methods of objects made per
+  tower, or tf.distribute merge_fns through the Keras bridge that differ, passed, and
+  tower 0's merge_fn ran for every tower."""
+  strategy = ds.MirroredStrategy(TOWERS)
+  ran = []
+
+  class Merger:
+    def merge(self, unused_strategy, x):
+      ran.append(self)
+      return x
+
+  mergers = [Merger(), Merger()]
+
+  def first(unused_strategy, x):
+    ran.append("first")
+    return x
+
+  def second(unused_strategy, x):
+    ran.append("second")
+    return x
+
+  def layer(x):
+    tower = ds.get_tower_context()
+    if tower is None:  # GPipe's trace at build.
+      return x
+    if merge_fn_of == "method":
+      return tower.merge_call(mergers[tower.tower_id].merge, x)
+    context = tf.distribute.get_replica_context()
+    return context.merge_call(first if tower.tower_id == 0 else second, args=(x,))
+
+  with strategy.scope():
+    pipe = GPipe([tf.nn.relu, layer], devices=TOWER_PIPELINES, partition=[1, 1])
+    pipe.build((None, FEATURES))
+    expected = (r"towers \[0\] passed Merger.merge of one object; towers \[1\] passed it of "
+                r"another object" if merge_fn_of == "method" else
+                r"towers \[0\] passed first; towers \[1\] passed second")
+    with pytest.raises(ds.errors.MergeCallMismatchError, match=expected):
+      strategy.call_for_each_tower(pipe, _input(batch=4))
+  assert not ran
+
+
 def test_moving_statistics_in_a_stage_weigh_each_towers_share_of_the_batch():
   """A batch of 5 split 3 + 2: the towers' moving means merge weighted by their shares,
   as one device's mean. Inside a stage the tower context had no batch share, so the

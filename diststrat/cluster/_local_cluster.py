@@ -500,9 +500,10 @@ class LocalCluster:
     Raises:
       ValueError: no such task or signal, or a worker task while no `run_on_workers` runs.
     """
-    if isinstance(sig, bool) or not isinstance(sig, int) or sig not in signal.valid_signals():
+    if not _is_int(sig) or sig not in signal.valid_signals():
       raise ValueError(f"sig must be a signal of this system, such as signal.SIGKILL (the "
                        f"default) or signal.SIGSTOP. Received: sig={sig!r}")
+    sig = int(sig)  # A numpy integer too, as task ids.
     child = self._child(task_type, task_id)
     child.signal(sig)
     if sig == signal.SIGKILL:

@@ -13,7 +13,6 @@ stage-s device, so reads take the tower's own copy there.
 """
 
 import contextlib
-import functools
 import numbers
 
 from typing import Any, Optional, Sequence
@@ -380,19 +379,38 @@ class _StageTowerContext(_context.TowerContext):
     self._column = column
 
   def _merge_call(self, merge_fn, args, kwargs):
-    return self._tower._merge_call(
-        functools.partial(_merge_in_stage, merge_fn, self._column), args, kwargs)
+    return self._tower._merge_call(_MergeInStage(merge_fn, self._column), args, kwargs)
 
 
-def _merge_in_stage(merge_fn, column, strategy, *args, **kwargs):
-  """`merge_fn`'s result, as each tower's part on its stage device (see above)."""
-  result = merge_fn(strategy, *args, **kwargs)
-  try:
-    parts = {tower: _wrapped.select_device(device, result)
-             for tower, device in column.items()}
-  except ValueError:
-    return result  # Its parts are on the towers' own devices (or it is plain).
-  return _wrapped.PerDevice(parts)
+class _MergeInStage:
+  """A tower's `merge_fn` (`tower_merge_fn`, which errors name), whose result it gives as
+  each tower's part on its stage device (see `_StageTowerContext`).
+
+  Two are equal when their merge_fns are the same (`_context.same_merge_fn`), so the
+  check that every tower passes the same merge_fn compares the towers' own merge_fns,
+  as outside a stage.
+  """
+
+  def __init__(self, merge_fn, column):
+    self.tower_merge_fn = merge_fn
+    self.column = column
+    self.__name__ = getattr(merge_fn, "__name__", type(merge_fn).__name__)
+
+  def __call__(self, strategy, *args, **kwargs):
+    result = self.tower_merge_fn(strategy, *args, **kwargs)
+    try:
+      parts = {tower: _wrapped.select_device(device, result)
+               for tower, device in self.column.items()}
+    except ValueError:
+      return result  # Its parts are on the towers' own devices (or it is plain).
+    return _wrapped.PerDevice(parts)
+
+  def __eq__(self, other):
+    return isinstance(other, _MergeInStage) and _context.same_merge_fn(
+        self.tower_merge_fn, other.tower_merge_fn)
+
+  def __hash__(self):
+    return hash(getattr(self.tower_merge_fn, "__code__", None))
 
 
 # --- arguments ---

@@ -340,8 +340,11 @@ class TowerRunner:
           break
       else:
         groups.append((tower.merge_fn, [tower.tower_id]))
-    if len(groups) > 1 and _methods_of_different_objects([fn for fn, _ in groups]):
-      first = groups[0][0]
+    if len(groups) == 1:
+      return
+    passed = [_passed_merge_fn(fn) for fn, _ in groups]
+    if _methods_of_different_objects(passed):
+      first = passed[0]
       name = f"{type(first.__self__).__name__}.{_describe_fn(first)}"
       described = "; ".join(
           f"towers {ids} passed {name if i == 0 else 'it'} of {'one' if i == 0 else 'another'}"
@@ -351,17 +354,24 @@ class TowerRunner:
           f"{described}. Each tower made its own object (such as an optimizer created "
           "inside the tower function): create it once, before call_for_each_tower, and "
           "use it in every tower.")
-    if len(groups) > 1:
-      described = "; ".join(f"towers {ids} passed {_describe_fn(fn)}" for fn, ids in groups)
-      raise errors.MergeCallMismatchError(
-          f"Towers passed different merge_fns to one merge_call() in {self.strategy!r}: "
-          f"{described}. Every tower must call merge_call() with the same function at the "
-          "same point (check for branches on tower_id around merge_call).")
+    described = "; ".join(f"towers {ids} passed {_describe_fn(fn)}" for fn, ids in groups)
+    raise errors.MergeCallMismatchError(
+        f"Towers passed different merge_fns to one merge_call() in {self.strategy!r}: "
+        f"{described}. Every tower must call merge_call() with the same function at the "
+        "same point (check for branches on tower_id around merge_call).")
 
   def _abort(self, towers):
     for tower in towers:
       tower.aborted = True
       tower.go.set()
+
+
+def _passed_merge_fn(fn):
+  """The merge_fn a tower passed: `fn`, or the one that a wrapper made on its way (GPipe's
+  stage) holds as `tower_merge_fn`."""
+  while getattr(fn, "tower_merge_fn", None) is not None:
+    fn = fn.tower_merge_fn
+  return fn
 
 
 def _methods_of_different_objects(fns):
