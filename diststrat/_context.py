@@ -399,6 +399,27 @@ def same_merge_fn(a, b):
   return code_a is not None and code_a is code_b
 
 
+class WrappedMergeFn:
+  """Base of a wrapper that diststrat puts around a tower's merge_fn on its way to
+  `merge_call` (the tf.distribute bridge's, a GPipe stage's).
+
+  It holds the tower's own merge_fn as `tower_merge_fn`, which errors name. Two
+  wrappers of one class are equal when their merge_fns are the same (`same_merge_fn`),
+  so the check that every tower passes the same merge_fn compares what they passed.
+  """
+
+  def __init__(self, merge_fn):
+    self.tower_merge_fn = merge_fn
+    self.__name__ = getattr(merge_fn, "__name__", type(merge_fn).__name__)
+
+  def __eq__(self, other):
+    return type(other) is type(self) and same_merge_fn(self.tower_merge_fn,
+                                                       other.tower_merge_fn)
+
+  def __hash__(self):
+    return hash(getattr(self.tower_merge_fn, "__code__", None))
+
+
 _DEFAULT_TOWER_CONTEXT = None
 _DEFAULT_LOCK = threading.Lock()
 

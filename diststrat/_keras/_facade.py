@@ -85,7 +85,7 @@ def _reduce_op_name(reduce_op):
   return str(getattr(reduce_op, "value", reduce_op)).lower()
 
 
-class _MergeFn:
+class _MergeFn(_context.WrappedMergeFn):
   """A tf.distribute `merge_fn(strategy, ...)` called with the adapter.
 
   Two of them are equal when they wrap the same function, so diststrat's check that
@@ -93,20 +93,12 @@ class _MergeFn:
   """
 
   def __init__(self, merge_fn, adapter):
-    self.merge_fn = merge_fn
+    super().__init__(merge_fn)
     self.adapter = adapter
-    self.__name__ = getattr(merge_fn, "__name__", type(merge_fn).__name__)
 
   def __call__(self, strategy, *args, **kwargs):
     del strategy  # tf.distribute code expects its own kind of strategy: the adapter.
-    return self.merge_fn(self.adapter, *args, **kwargs)
-
-  def __eq__(self, other):
-    return isinstance(other, _MergeFn) and _context.same_merge_fn(
-        self.merge_fn, other.merge_fn)
-
-  def __hash__(self):
-    return hash(getattr(self.merge_fn, "__code__", None))
+    return self.tower_merge_fn(self.adapter, *args, **kwargs)
 
 
 class ReplicaContextAdapter:

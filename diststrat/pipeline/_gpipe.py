@@ -382,19 +382,13 @@ class _StageTowerContext(_context.TowerContext):
     return self._tower._merge_call(_MergeInStage(merge_fn, self._column), args, kwargs)
 
 
-class _MergeInStage:
-  """A tower's `merge_fn` (`tower_merge_fn`, which errors name), whose result it gives as
-  each tower's part on its stage device (see `_StageTowerContext`).
-
-  Two are equal when their merge_fns are the same (`_context.same_merge_fn`), so the
-  check that every tower passes the same merge_fn compares the towers' own merge_fns,
-  as outside a stage.
-  """
+class _MergeInStage(_context.WrappedMergeFn):
+  """A tower's merge_fn, whose result it gives as each tower's part on its stage device
+  (see `_StageTowerContext`)."""
 
   def __init__(self, merge_fn, column):
-    self.tower_merge_fn = merge_fn
+    super().__init__(merge_fn)
     self.column = column
-    self.__name__ = getattr(merge_fn, "__name__", type(merge_fn).__name__)
 
   def __call__(self, strategy, *args, **kwargs):
     result = self.tower_merge_fn(strategy, *args, **kwargs)
@@ -404,13 +398,6 @@ class _MergeInStage:
     except ValueError:
       return result  # Its parts are on the towers' own devices (or it is plain).
     return _wrapped.PerDevice(parts)
-
-  def __eq__(self, other):
-    return isinstance(other, _MergeInStage) and _context.same_merge_fn(
-        self.tower_merge_fn, other.tower_merge_fn)
-
-  def __hash__(self):
-    return hash(getattr(self.tower_merge_fn, "__code__", None))
 
 
 # --- arguments ---

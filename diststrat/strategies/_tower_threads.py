@@ -367,9 +367,9 @@ class TowerRunner:
 
 
 def _passed_merge_fn(fn):
-  """The merge_fn a tower passed: `fn`, or the one that a wrapper made on its way (GPipe's
-  stage) holds as `tower_merge_fn`."""
-  while getattr(fn, "tower_merge_fn", None) is not None:
+  """The merge_fn a tower passed: `fn`, or the one that wrappers put around it on its way
+  (the tf.distribute bridge's, a GPipe stage's) hold."""
+  while isinstance(fn, _context.WrappedMergeFn):
     fn = fn.tower_merge_fn
   return fn
 
