@@ -145,7 +145,7 @@ def _as_saved(value):
   return view(value)
 
 
-def _check_update_values(method, args, kwargs):
+def _check_update_values(method, args, kwargs, var=None):
   """Raises `ValueError` if an argument of `update`/`update_non_slot` is per-tower.
 
   They take values mirrored over the devices they update: a `PerDevice` would give
@@ -153,12 +153,16 @@ def _check_update_values(method, args, kwargs):
   """
   for leaf in _wrapped.flatten((args, kwargs)):
     if isinstance(leaf, _wrapped.PerDevice):
+      # A tower-local variable's copies differ on purpose: each tower writes its own.
+      towers_way = (" A tower-local variable's copies are written one per tower in the "
+                    "towers: strategy.call_for_each_tower(lambda x: var.assign(x), value)."
+                    if isinstance(var, _variables.TowerLocalVariable) else "")
       raise ValueError(
           f"{method}() takes values mirrored over the devices it updates (each copy of "
           "the variable is written with the same value), not one value per tower. "
           f"Received: a PerDevice over {list(leaf.devices)}. Combine the towers' values "
           "first: strategy.reduce('sum' or 'mean', value, destinations=var) gives one "
-          "value on every device holding var.")
+          f"value on every device holding var.{towers_way}")
 
 
 def _missing_copy(method, devices, device, error):
@@ -368,7 +372,7 @@ class DistributionStrategy:
     """
     var = _arguments.check_variable("update", var)
     _arguments.check_callable("update", "fn", fn)
-    _check_update_values("update", args, kwargs)
+    _check_update_values("update", args, kwargs, var)
     return self._update(var, fn, args, kwargs)
 
   @cross_tower_method

@@ -107,6 +107,22 @@ def test_update_refuses_per_tower_values_and_values_missing_a_copy_of_var(kind, 
     assert [float(c.numpy()) for c in s.unwrap(v)] == [0.0] * len(s.unwrap(v))  # Unwritten.
 
 
+def test_update_of_a_tower_local_variable_with_per_tower_values_names_the_towers_way():
+  # A tower-local variable's copies differ on purpose: update() with a PerDevice wrote
+  # each its tower's value before update() refused per-tower values, and the refusal
+  # said to reduce them first, which gives every copy one value.
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    v = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.SUM)
+    per_tower = _per_tower(s)
+    with pytest.raises(ValueError, match=r"Received: a PerDevice.*tower-local variable.*"
+                       r"strategy.call_for_each_tower\(lambda x: var.assign\(x\), value\)"):
+      s.update(v, lambda c, x: c.assign(x), per_tower)
+    s.call_for_each_tower(lambda x: v.assign(x), per_tower)  # The way it names.
+  assert [float(c.numpy()) for c in s.unwrap(v)] == [1.0, 2.0]
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_non_callables_are_refused_at_the_call(mode):
   s = ds.MirroredStrategy(CPUS[:2])
