@@ -1032,3 +1032,30 @@ def test_errors_keep_type_and_message_in_a_tf_function(mode):
   with pytest.raises(ValueError, match=r"^estimate_costs\(\) needs an input_shape.*Received: "
                      r"input_shape=None. Pass e.g. \(None, 784\)"):
     estimate_costs([tf.nn.relu], None)
+
+
+def test_fit_of_a_keras_model_holding_a_pipeline_under_mirrored_names_the_towers_rule():
+  """Keras builds a model for `fit` by calling it in cross-tower context. An unbuilt
+  GPipe built itself there first, and Keras reported "'Variable' object has no attribute
+  'device'" (from the placement check, on the symbolic variables Keras gives a build)
+  instead of the pipeline's rule: call it in a tower."""
+
+  class Holder(keras.Model):
+
+    def __init__(self):
+      super().__init__()
+      self.stack = [keras.layers.Dense(4), keras.layers.Dense(1)]
+      self.pipe = GPipe(self.stack, devices={CPUS[0]: [CPUS[0]], CPUS[1]: [CPUS[1]]})
+
+    def call(self, x, training=False):
+      return self.pipe(x, training=training)
+
+  with ds.MirroredStrategy(CPUS[:2]).scope():
+    model = Holder()
+    model.compile("sgd", "mse")
+  with pytest.raises(RuntimeError, match=r"(?s)Unable to automatically build the model.*"
+                                         r"a GPipe runs in a tower, on that tower's stage "
+                                         r"devices.*call_for_each_tower"):
+    model.fit(np.zeros((8, 3), np.float32), np.zeros((8, 1), np.float32), batch_size=4,
+              verbose=0)
+  assert not model.pipe.built

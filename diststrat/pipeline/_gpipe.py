@@ -308,6 +308,7 @@ class GPipe(tf.Module):
           f"that is a multiple of {self._num_micro_batches}, or a num_micro_batches that "
           f"divides {batch}.")
     if not self.built:
+      _check_in_a_tower(_context.get_distribution_strategy())  # Before building there.
       self.build(x.shape, x.dtype)
     devices, context = self._tower_pipeline()
     if batch is None and self._num_micro_batches > 1:
@@ -341,12 +342,7 @@ class GPipe(tf.Module):
           "are placed for one strategy: call it where it was built, or build a new one.")
     if not isinstance(strategy, _mirrored.MirroredStrategy):
       return self._pipelines[None], lambda device: contextlib.nullcontext()
-    tower = _context.get_tower_context()
-    if tower is None:
-      raise errors.ContextError(
-          f"Inside {strategy!r}, a GPipe runs in a tower, on that tower's stage devices, "
-          f"but it was called in {_context.describe_current_context()}. Call it from the "
-          "function given to strategy.call_for_each_tower().")
+    tower = _check_in_a_tower(strategy)
     devices = self._pipelines[_devices.canonicalize(tower.device)]
 
     def stage_context(device):
@@ -576,6 +572,18 @@ def _where(variable):
   if isinstance(variable, _wrapped.DistributedValues):
     return tuple(variable.devices)
   return (_devices.canonicalize(variable.device),) if variable.device else ()
+
+
+def _check_in_a_tower(strategy):
+  """The calling tower's context; under a MirroredStrategy, a ContextError outside its
+  towers (a pipeline runs on the stage devices of one tower)."""
+  tower = _context.get_tower_context()
+  if tower is None and isinstance(strategy, _mirrored.MirroredStrategy):
+    raise errors.ContextError(
+        f"Inside {strategy!r}, a GPipe runs in a tower, on that tower's stage devices, "
+        f"but it was called in {_context.describe_current_context()}. Call it from the "
+        "function given to strategy.call_for_each_tower().")
+  return tower
 
 
 def _check_placement(layer, index, stage, column, strategy, shared_with=None):
