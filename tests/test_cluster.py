@@ -161,6 +161,17 @@ def _variables_fn(strategy, ckpt_dir):
   plain_path = tf.train.Checkpoint(a=plain_a).save(os.path.join(ckpt_dir, "plain"))
   tf.train.Checkpoint(a=a).restore(plain_path).assert_consumed()
   results["from_plain"] = a.numpy().tolist()
+  # An assign of another shape is refused, as for a plain variable (the raw op would give
+  # the variable on its PS task the new shape), also in run_step.
+  results["wrong_shape"] = []
+  for assign in (lambda: a.assign(tf.ones([5])),
+                 lambda: strategy.run_step(lambda: a.assign(tf.ones([2, 3])))):
+    try:
+      assign()
+      results["wrong_shape"].append("no error")
+    except ValueError as e:
+      results["wrong_shape"].append(str(e))
+  results["wrong_shape"].append(a.numpy().tolist())
   import keras  # pylint: disable=g-import-not-at-top
   with strategy.scope():
     layer = keras.layers.Dense(4)
@@ -544,6 +555,10 @@ def test_variables_live_on_ps_tasks_and_behave_as_tf_variables(tmp_path):
   assert "Variable 'traced' is created inside a tf.function from a value computed in " \
          "it. In cluster mode, create variables outside tf.function" in r["traced_error"]
   assert r["from_plain"] == [4.0, 5.0, 6.0]
+  for message, shape in zip(r["wrong_shape"][:2], ["(5,)", "(2, 3)"], strict=True):
+    assert message.startswith(f"Cannot assign a value of shape {shape} to variable 'a' "
+                              "of shape (3,)"), r["wrong_shape"]
+  assert r["wrong_shape"][2] == [4.0, 5.0, 6.0]
   assert r["keras"] == ([ps0, ps1], [True, True])  # Keras 3 layers make shared variables too.
 
 

@@ -286,6 +286,13 @@ def _eager_write(variable, method, *args, **kwargs):
   """
   if method in _ASSIGN_OPS:
     value = tf.convert_to_tensor(args[0] if args else kwargs["value"], dtype=variable.dtype)
+    if method == "assign" and not variable.shape.is_compatible_with(value.shape):
+      # TensorFlow's method checks this before its op; the raw op would silently give
+      # the variable on its PS task the value's shape.
+      raise ValueError(
+          f"Cannot assign a value of shape {value.shape} to variable "
+          f"{variable.shared_name!r} of shape {variable.shape}: the shapes are "
+          f"incompatible, as for a tf.Variable. Assign a value of shape {variable.shape}.")
     read_value = args[3] if len(args) > 3 else kwargs.get("read_value", True)
     _acknowledged_write(variable, method, _ASSIGN_OPS[method], value)
     return variable if read_value else None
