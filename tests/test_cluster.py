@@ -388,7 +388,15 @@ def _every_path_fn(strategy, sync_dir, ckpt_dir):
     w = tf.Variable([1.0, 2.0], name="w")  # On PS task 0 (least loaded: both empty).
     v = tf.Variable([3.0, 4.0], name="v")  # On PS task 1.
     opt = ds.optimizers.GradientDescent(0.1)
+    with strategy.colocate_vars_with(v):  # A variable with an aggregation: wrapped.
+      count = tf.Variable(0.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
   checkpoint = tf.train.Checkpoint(w=w, v=v)
+  v.assign([5.0, 6.0])
+  count.assign(3.0)
+  restart_checkpoint = tf.train.Checkpoint(v=v, count=count)
+  saved = restart_checkpoint.save(os.path.join(ckpt_dir, "before"))
+  v.assign([3.0, 4.0])
+  count.assign(0.0)
 
   @tf.function
   def direct_step():
@@ -434,9 +442,10 @@ def _every_path_fn(strategy, sync_dir, ckpt_dir):
         break
     time.sleep(0.2)
   strategy.reconnect()
-  v.assign([5.0, 6.0])  # The restarted task lost v; a checkpoint restore would go here.
+  # The restarted task lost v and count: restoring them must not read them first.
+  restart_checkpoint.restore(saved).assert_consumed()
   return {"outcomes": outcomes, "before_reconnect": before_reconnect,
-          "after_reconnect": float(direct_step())}
+          "after_reconnect": float(direct_step()), "count": float(count.numpy())}
 
 
 def _slice_assign_then_read_fn(strategy):
@@ -725,6 +734,7 @@ def test_every_path_to_a_killed_ps_raises_cluster_error_naming_it(tmp_path):
   assert task == PS1 and f"Parameter server task {PS1} restarted since" in message
   assert "Call strategy.reconnect()" in message and "died" not in message
   assert r["after_reconnect"] == pytest.approx(1.0 * 5.0 + 2.0 * 6.0)
+  assert r["count"] == 3.0
 
 
 @pytest.mark.processes

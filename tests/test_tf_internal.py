@@ -947,6 +947,32 @@ def test_deferred_checkpoint_value(tmp_path):
   assert float(saved.variable) == 3.0
 
 
+def test_serialize_to_tensors(tmp_path):
+  class Saved(tf.Module):  # Saves its variable's value as the variable saves itself.
+
+    def __init__(self):
+      super().__init__()
+      self.variable = tf.Variable(3.0)
+
+    def _serialize_to_tensors(self):
+      return _tf_internal.serialize_to_tensors(self.variable)
+
+    def _restore_from_tensors(self, restored_tensors):
+      [value] = restored_tensors.values()
+      self.variable.assign(value)
+
+  saved = Saved()
+  keys = list(_tf_internal.serialize_to_tensors(saved.variable))
+  assert keys == ["VARIABLE_VALUE"], _broke("serialize_to_tensors", f"keys {keys}")
+  path = tf.train.Checkpoint(saved=saved).write(str(tmp_path / "ckpt"))
+  saved.variable.assign(0.0)
+  tf.train.Checkpoint(saved=saved).read(path).assert_consumed()
+  assert float(saved.variable) == 3.0, _broke("serialize_to_tensors", "the saved value")
+  plain = tf.Variable(0.0)  # The key of a plain variable: the checkpoints are exchangeable.
+  tf.train.Checkpoint(saved=plain).read(path).expect_partial()
+  assert float(plain) == 3.0
+
+
 @pytest.mark.processes
 def test_probe_tf_server():
   import socket  # pylint: disable=g-import-not-at-top

@@ -93,6 +93,7 @@ from diststrat._tf_internal._variables import ResourceVariableFromHandle as Reso
 from diststrat._tf_internal._variables import base_resource_method as base_resource_method
 from diststrat._tf_internal._variables import copy_trackable_to_cpu as copy_trackable_to_cpu
 from diststrat._tf_internal._variables import deferred_checkpoint_value as deferred_checkpoint_value
+from diststrat._tf_internal._variables import serialize_to_tensors as serialize_to_tensors
 from diststrat._tf_internal._variables import dense_var_to_tensor as dense_var_to_tensor
 from diststrat._tf_internal._variables import distributed_container as distributed_container
 from diststrat._tf_internal._variables import export_to_saved_model_graph as export_to_saved_model_graph
@@ -127,8 +128,8 @@ __all__ = [
     "base_resource_method", "wrap_resource_methods", "shared_name", "unique_id",
     "in_graph_mode", "dense_var_to_tensor", "copy_trackable_to_cpu",
     "export_to_saved_model_graph", "write_object_proto", "set_distributed_container",
-    "distributed_container", "deferred_checkpoint_value", "strided_slice_assign",
-    "in_saved_model_trace", "saved_model_trace_options", "saved_model_trace",
+    "distributed_container", "deferred_checkpoint_value", "serialize_to_tensors",
+    "strided_slice_assign", "in_saved_model_trace", "saved_model_trace_options", "saved_model_trace",
     "install_saved_model_device_rule",
     # tapes
     "record_backward", "stop_recording", "should_record", "variable_accessed",

@@ -119,6 +119,12 @@ def copy_trackable_to_cpu(variable, object_map):
   variable._copy_trackable_to_cpu(object_map)
 
 
+def serialize_to_tensors(variable):
+  """What a checkpoint save writes of `variable`: its `_serialize_to_tensors()` (for a
+  resource variable, a value the save reads only when it writes)."""
+  return variable._serialize_to_tensors()
+
+
 def export_to_saved_model_graph(variable, object_map, tensor_map, options, **kwargs):
   """Writes `variable` into the SavedModel graph being built; returns its resources."""
   return variable._export_to_saved_model_graph(

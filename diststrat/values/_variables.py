@@ -582,6 +582,12 @@ class MirroredVariable(DistributedVariable):
 
   _holds_copies = True
 
+  def _serialize_to_tensors(self):
+    # Every copy holds the value: saved as the primary saves itself, read only when a
+    # save writes, never by a restore (which builds the same saver). A restore onto a
+    # parameter-server task that restarted empty must not read what it then writes.
+    return _tf_internal.serialize_to_tensors(self.primary)
+
   def _write(self, method, value, read_value):
     if not _in_real_tower():
       device = _context.get_update_device()
