@@ -552,7 +552,7 @@ def test_stateful_recurrent_layers_on_several_towers_say_what_to_do():
   x = np.zeros((8, 3, 2), np.float32)
   with ds.MirroredStrategy(CPUS[:2]).scope():
     model = keras.Sequential([keras.Input((3, 2), batch_size=4),
-                              keras.layers.GRU(3, stateful=True), keras.layers.Dense(1)])
+                              keras.layers.GRU(3, stateful=True, name="gru"), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
   for run in (lambda: model.fit(x, x[:, 0, :1], batch_size=4, verbose=0),
               lambda: model.predict(x, batch_size=4, verbose=0)):
