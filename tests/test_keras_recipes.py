@@ -704,3 +704,46 @@ def test_file_callbacks_write_once_across_worker_processes(tmp_path):
   assert sorted(os.listdir(out_dir)) == ["ckpt.weights.h5", "log.csv", "tb"]  # Backup removed.
   with open(os.path.join(out_dir, "log.csv")) as f:
     assert len(f.read().strip().splitlines()) == 3  # A header and two epochs.
+
+
+class ErrorLogger(keras.Model):
+  """A custom train_step that logs a metric of its own, per example and as batch means."""
+
+  def __init__(self):
+    super().__init__()
+    self.dense = keras.layers.Dense(1, kernel_initializer="ones")
+    self.per_example = keras.metrics.Mean(name="per_example")
+    self.batch_means = keras.metrics.Mean(name="batch_means")
+
+  def call(self, x):
+    return self.dense(x)
+
+  def train_step(self, data):
+    x, y = data
+    with tf.GradientTape() as tape:
+      prediction = self(x)
+      loss = self.compute_loss(x, y, prediction)
+    grads = tape.gradient(loss, self.trainable_variables)
+    self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+    errors = tf.reshape(tf.abs(prediction - y), [-1])
+    self.per_example.update_state(errors)
+    self.batch_means.update_state(tf.reduce_mean(errors))
+    return {m.name: m.result() for m in (self.per_example, self.batch_means)}
+
+
+def test_a_metric_of_a_custom_train_step_given_per_example_values_equals_one_device():
+  """docs/keras.md, "What a step returns": per-example values give one device's metric,
+  also when a batch leaves a tower empty; the mean of a tower with no example is nan."""
+  x = np.arange(10, dtype=np.float32).reshape(5, 2)
+  y = np.ones((5, 1), np.float32)
+
+  def fit(strategy):
+    with strategy.scope() if strategy else contextlib.nullcontext():
+      model = ErrorLogger()
+      model.compile("sgd", "mse")
+    history = model.fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0).history
+    return {name: values[-1] for name, values in history.items()}
+
+  one, towers = fit(None), fit(STRATEGIES["mirrored4"]())
+  np.testing.assert_allclose(towers["per_example"], one["per_example"], rtol=1e-6)
+  assert np.isnan(towers["batch_means"]) and not np.isnan(one["batch_means"])
