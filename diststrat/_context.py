@@ -235,15 +235,11 @@ def colocation_scope(strategy, var):
   stack = getattr(_state, "colocations", None)
   if stack is None:
     stack = _state.colocations = []
-  entry = (strategy, var)
-  stack.append(entry)
+  stack.append((strategy, var))
   try:
     yield
   finally:
-    for i in range(len(stack) - 1, -1, -1):
-      if stack[i] is entry:
-        del stack[i]
-        break
+    stack.pop()
 
 
 class TowerContext:

@@ -196,10 +196,10 @@ def _check_gather_axis(axis, components):
   rank = max(max(ranks), 1)  # Scalars become a vector.
   shapes = [tf.TensorShape(getattr(c, "shape", ())) for c in components]
   if not -rank <= axis < rank:
-    shapes = ", ".join(str(tf.TensorShape(getattr(c, "shape", ()))) for c in components[:4])
     raise ValueError(
         f"gather() concatenates along an axis of the towers' values, which have rank "
-        f"{max(ranks)} (shapes {shapes}{', ...' if len(components) > 4 else ''}): axis "
+        f"{max(ranks)} (shapes {', '.join(str(s) for s in shapes[:4])}"
+        f"{', ...' if len(components) > 4 else ''}): axis "
         f"must be from {-rank} to {rank - 1}. Received: axis={axis}. Pass an axis the "
         "values have (axis=0 concatenates the towers' batches).")
   if max(ranks) == 0:
