@@ -446,7 +446,9 @@ class ThreadState:
   runs in the same diststrat context (strategy, tower or cross-tower, update device,
   `colocate_vars_with`) and
   with the same TensorFlow state: graph (so it can add to a `tf.function` being traced),
-  name scope, variable creator stack, control dependencies, device scope, and the
+  name scope, variable creator stack, control dependencies, device scope, op callbacks
+  (`tf.debugging.enable_check_numerics()` and the like: the same list, as
+  tf.distribute's replica threads share it), and the
   context of a SavedModel save tracing its functions. Tower
   threads and the cluster watchdog's helper thread start from one.
   """
@@ -462,6 +464,7 @@ class ThreadState:
     self.update_devices = list(getattr(_state, "update_devices", None) or [])
     self.colocations = list(getattr(_state, "colocations", None) or [])
     self.save_options = _tf_internal.saved_model_trace_options()
+    self.op_callbacks = _tf_internal.op_callbacks()
 
   @contextlib.contextmanager
   def enter(self, device=None):
@@ -480,6 +483,9 @@ class ThreadState:
         stack.enter_context(tf.device(device or self.device))
       if self.save_options is not None and not _tf_internal.in_saved_model_trace():
         stack.enter_context(_tf_internal.saved_model_trace(self.save_options))
+      saved_callbacks = _tf_internal.op_callbacks()
+      _tf_internal.set_op_callbacks(self.op_callbacks)
+      stack.callback(_tf_internal.set_op_callbacks, saved_callbacks)
       saved_modes, saved_updates = list(_stack()), getattr(_state, "update_devices", None)
       saved_colocations = getattr(_state, "colocations", None)
       _state.stack = list(self.modes)

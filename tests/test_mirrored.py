@@ -3,6 +3,7 @@
 Every result is compared against numpy or a single-device computation.
 """
 
+import gc
 import threading
 
 import numpy as np
@@ -559,17 +560,42 @@ def test_tower_timeout_is_bounded():
   assert not _tower_threads.abandoned_tower_threads()
 
 
-def test_thousand_calls_leave_no_threads(no_thread_leak):
+def test_thousand_calls_leave_no_threads_and_no_memory(no_thread_leak):
   s = strategy(4)
-  before = threading.active_count()
+  double = tf.function(lambda x: 2 * x)
 
   def fn():
+    double(tf.constant(1.0))
     return ds.get_tower_context().merge_call(lambda st, x: x, 1)
 
   with s.scope():
+    s.call_for_each_tower(fn)
+    before = threading.active_count()
+    gc.collect()
+    objects = len(gc.get_objects())
     for _ in range(1000):
       s.call_for_each_tower(fn)
+    gc.collect()
+    # TensorFlow keeps some objects of every thread that ran an op (4,000 tower threads
+    # here) unless the thread lets go of them as it ends.
+    assert len(gc.get_objects()) - objects < 400
   assert threading.active_count() == before
+
+
+def test_op_callbacks_reach_eager_towers_as_on_one_device():
+  def fn():
+    return tf.math.log(tf.constant(-1.0))
+
+  s = strategy(2)
+  tf.debugging.enable_check_numerics()
+  try:
+    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN"):
+      ds.get_distribution_strategy().call_for_each_tower(fn)  # The reference: one device.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN"):
+      s.call_for_each_tower(fn)
+  finally:
+    tf.debugging.disable_check_numerics()
+  assert np.isnan(s.unwrap(s.call_for_each_tower(fn))).all()  # Off again in the towers.
 
 
 def test_tower_threads_inherit_name_scope_and_creator_scopes():

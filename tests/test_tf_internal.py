@@ -4,6 +4,7 @@ After a TensorFlow or Keras upgrade, the test named after the wrapper that broke
 here, with a message naming it, instead of deep inside a user's training step.
 """
 
+import gc
 import os
 import sys
 import threading
@@ -152,6 +153,76 @@ def test_in_while_loop():
   assert seen == {"function": False, "body": True, "nested": True}, _broke(
       "in_while_loop", f"saw {seen}")
   assert _tf_internal.in_while_loop() is False
+
+
+def _in_a_thread(fn):
+  """fn() run in a new thread: its result, or its error raised here."""
+  out = {}
+
+  def main():
+    try:
+      out["result"] = fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      out["error"] = e
+
+  thread = threading.Thread(target=main)
+  thread.start()
+  thread.join(60)
+  if "error" in out:
+    raise out["error"]
+  return out["result"]
+
+
+def test_op_callbacks_and_set_op_callbacks_share_them_with_another_thread():
+  def enable_and_share():
+    tf.debugging.enable_check_numerics()
+    try:
+      return _tf_internal.op_callbacks(), list(_tf_internal.op_callbacks())
+    finally:
+      tf.debugging.disable_check_numerics()
+
+  shared, enabled = _in_a_thread(enable_and_share)
+  assert enabled, _broke("op_callbacks", "enable_check_numerics() added no callback")
+
+  def checked_in_another_thread():
+    _tf_internal.set_op_callbacks(enabled)
+    try:
+      tf.math.log(tf.constant(-1.0))
+    finally:
+      _tf_internal.set_op_callbacks([])
+
+  with pytest.raises(tf.errors.InvalidArgumentError, match="NaN"):
+    _in_a_thread(checked_in_another_thread)
+  assert shared == [] and _in_a_thread(_tf_internal.op_callbacks) == [], _broke(
+      "op_callbacks", "a thread's callbacks are not its own list")
+
+
+def test_release_thread_state_frees_what_tensorflow_keeps_of_a_thread():
+  double = tf.function(lambda x: 2 * x)
+
+  def step(release):
+    with tf.device("/cpu:1"):
+      double(tf.constant(1.0))
+    if release:
+      _tf_internal.release_thread_state()
+
+  def growth(release, threads=300):
+    for _ in range(5):
+      _in_a_thread(lambda: step(release))
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(threads):
+      _in_a_thread(lambda: step(release))
+    gc.collect()
+    return len(gc.get_objects()) - before
+
+  # Without it, each thread leaves objects behind (the measure can see the leak); with
+  # it, next to none.
+  assert growth(release=False) >= 300, (
+      f"TensorFlow {tf.__version__} no longer keeps objects of finished threads: "
+      "release_thread_state may be unneeded, and this test needs another measure")
+  assert growth(release=True) < 30, _broke(
+      "release_thread_state", "finished threads still leave objects behind")
 
 
 def test_call_flat():

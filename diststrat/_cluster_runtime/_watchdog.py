@@ -43,6 +43,7 @@ import weakref
 
 from diststrat._tf import tf
 from diststrat import _arguments
+from diststrat import _tf_internal
 from diststrat import errors
 from diststrat._cluster_runtime import _faults
 
@@ -133,6 +134,12 @@ class _HelperThread:
 
   def _main(self, guard):
     guard._local.inside = True
+    try:
+      self._run_jobs(guard)
+    finally:
+      _tf_internal.release_thread_state()
+
+  def _run_jobs(self, guard):
     while not self.abandoned and self._left != 0:
       try:
         job = self.jobs.get(timeout=1.0)
@@ -437,6 +444,8 @@ class StepGuard:
         result["refused"] = _faults.error_means_nothing_listens(e)
         result["status"] = (f"cannot be reached ({type(e).__name__}: "
                             f"{_faults.error_summary(e)})")
+    finally:
+      _tf_internal.release_thread_state()
 
   def _collect_probes(self, probes, timeout=0.0, refused=None):
     """{task: status} of `probes`, waited for `timeout` s in all; adds to the set

@@ -9,7 +9,7 @@ the job, in the module of its kind:
 
 | module | what it reaches |
 |---|---|
-| `_thread_state` | the calling thread's device scope, variable creators, control inputs, and whether a `tf.while_loop` body is being built |
+| `_thread_state` | the calling thread's device scope, variable creators, control inputs, op callbacks, and whether a `tf.while_loop` body is being built; freeing the state TensorFlow keeps for a finished thread |
 | `_collectives` | collective ops; setting up collectives across processes; a peer's health; aborting them |
 | `_functions` | calling a traced function with a flat list of tensors; a `tf.function`'s XLA flag, and a copy of its options around another function |
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running; its wait for pending eager work |
@@ -84,6 +84,9 @@ from diststrat._tf_internal._tapes import variable_accessed as variable_accessed
 from diststrat._tf_internal._thread_state import current_control_dependencies as current_control_dependencies
 from diststrat._tf_internal._thread_state import current_device as current_device
 from diststrat._tf_internal._thread_state import in_while_loop as in_while_loop
+from diststrat._tf_internal._thread_state import op_callbacks as op_callbacks
+from diststrat._tf_internal._thread_state import release_thread_state as release_thread_state
+from diststrat._tf_internal._thread_state import set_op_callbacks as set_op_callbacks
 from diststrat._tf_internal._thread_state import set_variable_creator_stack as set_variable_creator_stack
 from diststrat._tf_internal._thread_state import variable_creator_stack as variable_creator_stack
 from diststrat._tf_internal._thread_state import variable_creators as variable_creators
@@ -113,6 +116,7 @@ __all__ = [
     # thread state
     "current_device", "variable_creator_stack", "variable_creators",
     "set_variable_creator_stack", "current_control_dependencies", "in_while_loop",
+    "op_callbacks", "set_op_callbacks", "release_thread_state",
     # collectives
     "all_reduce_v1", "all_reduce_v2", "all_gather_v1", "all_gather_v2",
     "enable_cross_process_collectives", "check_peer_health", "abort_collectives",

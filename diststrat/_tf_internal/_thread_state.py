@@ -2,7 +2,9 @@
 
 A tower thread starts from the calling thread's TensorFlow state, which has no public
 reader or setter. Collectives also need to know whether they are being built in a
-`tf.while_loop` body, which only the graph's class says.
+`tf.while_loop` body, which only the graph's class says. And TensorFlow keeps some
+Python objects of every thread's eager state after the thread ends, which only its
+per-thread record can let go of.
 """
 
 from tensorflow.python.eager import context as _eager_context  # pylint: disable=g-direct-tensorflow-import
@@ -76,3 +78,34 @@ def in_while_loop():
       return True
     graph = getattr(graph, "outer_graph", None)
   return False
+
+
+def op_callbacks():
+  """The calling thread's op callbacks (`tf.debugging.enable_check_numerics()` adds one).
+
+  The list itself, to share with another thread through `set_op_callbacks`: TensorFlow
+  keeps them per thread and has no public reader.
+  """
+  return _eager_context.context()._thread_local_data.op_callbacks  # pylint: disable=protected-access
+
+
+def set_op_callbacks(callbacks):
+  """Makes `callbacks` (from `op_callbacks`) the calling thread's op callbacks."""
+  _eager_context.context()._thread_local_data.op_callbacks = callbacks  # pylint: disable=protected-access
+
+
+def release_thread_state():
+  """Lets go of the Python objects TensorFlow keeps for the calling thread; call it last.
+
+  TensorFlow's record of a thread's eager state (its op callbacks list, its function
+  call options, its executor) outlives the thread and keeps those objects forever, so a
+  program that starts a thread per step grows without bound. Pointing them at shared
+  or empty values frees them. The thread must run no TensorFlow code afterwards.
+  """
+  data = _eager_context.context()._thread_local_data  # pylint: disable=protected-access
+  data.op_callbacks = _NO_CALLBACKS
+  data.function_call_options = None
+  data.executor = None
+
+
+_NO_CALLBACKS = ()  # Immutable: a thread that breaks the rule above fails, not the others.

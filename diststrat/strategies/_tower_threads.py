@@ -8,7 +8,9 @@ variables come out the same on every run. Parallelism comes from TensorFlow's ru
 
 Each tower thread starts from the calling thread's TensorFlow state: its graph (so towers
 can build a `tf.function`), name scope, variable creator stack and control
-dependencies, plus the tower's device scope and `TowerContext`. Every thread is joined
+dependencies and op callbacks, plus the tower's device scope and `TowerContext`. A
+tower thread ends by releasing what TensorFlow keeps of its state (TensorFlow would keep
+it forever, and an eager loop starts threads on every call). Every thread is joined
 before `run()` returns or raises, and the calling thread's waits are bounded by
 `timeout`, with one exception: a tower that is still running its own code when the call
 fails (it timed out, or another tower failed while it ran) cannot be stopped by Python.
@@ -29,6 +31,7 @@ import types
 
 from diststrat._tf import tf
 from diststrat import _context
+from diststrat import _tf_internal
 from diststrat import errors
 from diststrat.values import _wrapped
 
@@ -139,7 +142,12 @@ class _Tower:
     finally:
       self.done = True
       self.running = False
-      self.paused.set()
+      try:
+        # An eager loop starts tower threads on every call: what TensorFlow keeps of
+        # each one must not outlive it.
+        _tf_internal.release_thread_state()
+      finally:
+        self.paused.set()
 
   def tracing_its_own_graph(self):
     """True while this tower builds a graph other than the one it started in.

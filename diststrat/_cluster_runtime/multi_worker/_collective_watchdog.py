@@ -112,6 +112,12 @@ class CollectiveWatchdog:
     return self._thread is not None and self._thread.is_alive()
 
   def _main(self):
+    try:
+      self._watch()
+    finally:
+      _tf_internal.release_thread_state()
+
+  def _watch(self):
     last_probe, refused, statuses, final_for = 0.0, {}, {}, None
     round_time = _PROBE_TIMEOUT * len(self.peers)  # A round of checks, at worst.
     sleep = _TICK
