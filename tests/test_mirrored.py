@@ -582,6 +582,43 @@ def test_thousand_calls_leave_no_threads_and_no_memory(no_thread_leak):
   assert threading.active_count() == before
 
 
+def test_tower_i_runs_in_the_same_pooled_thread_on_every_call(no_thread_leak):
+  s = strategy(4)
+  seen = []
+
+  def fn():
+    seen.append((ds.get_tower_context().tower_id, threading.current_thread()))
+
+  def threads_of(call):
+    seen.clear()
+    call()
+    return [thread for _, thread in sorted(seen, key=lambda e: e[0])]
+
+  first = threads_of(lambda: s.call_for_each_tower(fn))
+  idle = set(_tower_threads.idle_tower_threads())
+  assert len(set(first)) == 4 and set(first) <= idle
+  for _ in range(3):  # Eager and traced: the same threads, in the same tower order.
+    assert threads_of(lambda: s.call_for_each_tower(fn)) == first
+    assert threads_of(tf.function(lambda: s.call_for_each_tower(fn))) == first
+  assert set(_tower_threads.idle_tower_threads()) == idle  # The pool did not grow.
+  # A tower left behind by a failed call does not go back to the pool: it ends.
+  release = threading.Event()
+
+  def stuck():
+    if ds.get_tower_context().tower_id == 1:
+      release.wait(10)
+
+  slow = ds.MirroredStrategy(CPUS[:2], tower_timeout=0.2)
+  with pytest.raises(ds.errors.TowerTimeoutError):
+    slow.call_for_each_tower(stuck)
+  [left] = _tower_threads.abandoned_tower_threads()
+  release.set()
+  left.join(10)
+  assert not left.is_alive() and left not in _tower_threads.idle_tower_threads()
+  after = threads_of(lambda: s.call_for_each_tower(fn))  # A new thread stands in for it.
+  assert left in first and left not in after and len(set(after) - set(first)) == 1
+
+
 def test_op_callbacks_reach_eager_towers_as_on_one_device():
   def fn():
     return tf.math.log(tf.constant(-1.0))

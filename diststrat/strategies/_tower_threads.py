@@ -7,15 +7,24 @@ pauses (at `merge_call` or on return), then tower 1, and so on, so graphs, names
 variables come out the same on every run. Parallelism comes from TensorFlow's runtime.
 
 Each tower thread starts from the calling thread's TensorFlow state: its graph (so towers
-can build a `tf.function`), name scope, variable creator stack and control
-dependencies and op callbacks, plus the tower's device scope and `TowerContext`. A
-tower thread ends by releasing what TensorFlow keeps of its state (TensorFlow would keep
-it forever, and an eager loop starts threads on every call). Every thread is joined
-before `run()` returns or raises, and the calling thread's waits are bounded by
-`timeout`, with one exception: a tower that is still running its own code when the call
-fails (it timed out, or another tower failed while it ran) cannot be stopped by Python.
-Its error is raised at once; the thread is left to finish in the background (it unwinds
-at its next `merge_call` or return), logged as a warning, and listed by
+can build a `tf.function`), name scope, variable creator stack, control dependencies and
+op callbacks, plus the tower's device scope and `TowerContext`.
+
+Tower threads are pooled: a call takes idle threads from a process-wide pool, lowest
+numbered first (so tower i runs in the same thread call after call, and per-thread state
+such as Keras's layer-name counters evolves the same way on every run), and each tower
+gives its thread back before the calling thread sees it finish. TensorFlow keeps some
+state of every thread that runs an op and never frees it (part of it outside Python's
+reach), so starting threads on every call would grow an eager loop's memory without
+bound; a pooled thread releases what it can when it ends. The pool holds as many threads
+as the most towers that ever ran at once; they wait, idle, as daemons.
+
+A tower that returned or raised has given its thread back before `run()` returns or
+raises, and the calling thread's waits are bounded by `timeout`, with one exception: a
+tower that is still running its own code when the call fails (it timed out, or another
+tower failed while it ran) cannot be stopped by Python. Its error is raised at once; the
+thread is left to finish in the background (it unwinds at its next `merge_call` or
+return, then ends instead of going back to the pool), logged as a warning, and listed by
 `abandoned_tower_threads()`. A paused tower waits for its turn for as long as the call
 goes on (a `merge_fn` or the other towers may take longer than `timeout`): the calling
 thread releases it when the call returns or fails, and it gives up by itself only if
@@ -26,6 +35,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import threading
 import types
 
@@ -42,21 +52,94 @@ _JOIN_TIMEOUT = 30.0
 """Seconds to wait for a paused tower to unwind after the call failed."""
 
 logger = logging.getLogger("diststrat")
-# Tower threads still running their code when their call failed.
-_abandoned: list[threading.Thread] = []
-_abandoned_lock = threading.Lock()
+# Towers still running their code when their call failed (`_Tower`s).
+_abandoned: list = []
+_abandoned_lock = threading.Lock()  # Also orders a tower's end against its abandonment.
 
 
 def abandoned_tower_threads():
-  """Tower threads whose call failed while they ran their own code, still alive.
+  """Tower threads whose call failed while they ran their own code, still running it.
 
   Each one ends by itself when its code reaches a `merge_call` or returns (it then
-  unwinds without running further). Useful in tests and to check that a long-lived
-  process is not accumulating stuck threads.
+  unwinds without running further, and the thread ends). Useful in tests and to check
+  that a long-lived process is not accumulating stuck threads.
   """
   with _abandoned_lock:
-    _abandoned[:] = [t for t in _abandoned if t.is_alive()]
-    return list(_abandoned)
+    _abandoned[:] = [t for t in _abandoned if not t.finished.is_set()]
+    return [t.thread for t in _abandoned]
+
+
+def idle_tower_threads():
+  """The pooled tower threads waiting for a call (see the module docstring)."""
+  return _pool.idle_threads()
+
+
+class _Worker:
+  """A pooled thread: runs one tower at a time, then waits for the next one."""
+
+  def __init__(self, number):
+    self.number = number
+    self._job = None
+    self._given = threading.Event()
+    self.thread = threading.Thread(target=self._loop, daemon=True,
+                                   name=f"diststrat-tower-pool-{number}")
+    self.thread.start()
+
+  def give(self, job, name):
+    """Runs `job()` in this thread; it returns whether the thread may serve again."""
+    self.thread.name = name
+    self._job = job
+    self._given.set()
+
+  def _loop(self):
+    try:
+      while True:
+        self._given.wait()
+        self._given.clear()
+        job, self._job = self._job, None
+        reuse = job()
+        job = None  # Idle, this thread holds nothing of the call (its strategy, results).
+        if not reuse:
+          return
+    finally:
+      # What TensorFlow keeps of this thread must not outlive it.
+      _tf_internal.release_thread_state()
+
+
+class _Pool:
+  """The process's idle tower threads (`_Worker`s), handed out lowest number first."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._idle = []
+    self._started = 0
+
+  def take(self, count):
+    """`count` workers: idle ones, lowest numbers first, then new ones."""
+    with self._lock:
+      self._idle.sort(key=lambda w: w.number)
+      taken, self._idle = self._idle[:count], self._idle[count:]
+      while len(taken) < count:
+        taken.append(_Worker(self._started))
+        self._started += 1
+      return taken
+
+  def put_back(self, worker):
+    with self._lock:
+      self._idle.append(worker)
+
+  def idle_threads(self):
+    with self._lock:
+      return [w.thread for w in self._idle]
+
+  def forget(self):
+    """In a forked child: the parent's threads do not exist here."""
+    self._lock = threading.Lock()
+    self._idle = []
+
+
+_pool = _Pool()
+os.register_at_fork(after_in_child=_pool.forget)
 
 
 class _Aborted(BaseException):
@@ -111,8 +194,14 @@ class _Tower:
     self.merge_name_scope = ""
     self.merge_result = None
     self.variables_created = 0
-    self.thread = threading.Thread(target=self._main, daemon=True,
-                                   name=f"diststrat-tower-{self.tower_id}")
+    self.worker = None  # The pooled thread running it, once started.
+    self.thread = None
+    self.finished = threading.Event()  # Set when it returned or raised (or never ran).
+    self.left_behind = False  # Abandoned by its failed call while running its code.
+
+  def start(self, worker):
+    self.worker, self.thread = worker, worker.thread
+    worker.give(self._main, f"diststrat-tower-{self.tower_id}")
 
   def _wait_for_go(self):
     # Not bounded while the call goes on: merge_fn and the towers before this one may
@@ -127,6 +216,7 @@ class _Tower:
       raise _Aborted()
 
   def _main(self):
+    """The tower, in its pooled thread; returns whether the thread may serve again."""
     try:
       self._wait_for_go()
       context = ThreadedTowerContext(self, self.runner.strategy, self.tower_id,
@@ -142,12 +232,13 @@ class _Tower:
     finally:
       self.done = True
       self.running = False
-      try:
-        # An eager loop starts tower threads on every call: what TensorFlow keeps of
-        # each one must not outlive it.
-        _tf_internal.release_thread_state()
-      finally:
-        self.paused.set()
+      with _abandoned_lock:
+        reuse = not self.left_behind
+        if reuse:  # Before the caller can see this tower end, so its next call finds it.
+          _pool.put_back(self.worker)
+        self.finished.set()
+      self.paused.set()
+    return reuse
 
   def tracing_its_own_graph(self):
     """True while this tower builds a graph other than the one it started in.
@@ -237,9 +328,10 @@ class TowerRunner:
     shares = _wrapped.batch_shares((args, kwargs)) or {}
     towers = [_Tower(self, i, d, fn, *self._tower_arguments(d, args, kwargs), shares.get(d))
               for i, d in enumerate(self.devices)]
+    workers = _pool.take(len(towers))
     try:
-      for tower in towers:
-        tower.thread.start()
+      for tower, worker in zip(towers, workers, strict=True):
+        tower.start(worker)
       while True:
         for tower in towers:
           self._step(tower)
@@ -267,15 +359,18 @@ class TowerRunner:
           "worker_devices; strategy.distribute_dataset() makes such values).", e) from e
 
   def _join(self, towers):
-    """Joins every tower thread; one still running its own code is left (see module doc)."""
+    """Waits for every tower to end; one still running its own code is left (see module
+    doc)."""
     for tower in towers:
-      if tower.running or tower.thread.ident is None:  # Running its code, or not started.
+      if tower.running or tower.worker is None:  # Running its code, or not started.
         continue
-      tower.thread.join(_JOIN_TIMEOUT)
-    stuck = [t for t in towers if t.thread.is_alive()]
+      tower.finished.wait(_JOIN_TIMEOUT)
+    with _abandoned_lock:
+      stuck = [t for t in towers if t.worker is not None and not t.finished.is_set()]
+      for tower in stuck:
+        tower.left_behind = True
+      _abandoned.extend(stuck)
     if stuck:
-      with _abandoned_lock:
-        _abandoned.extend(t.thread for t in stuck)
       logger.warning(
           "diststrat: tower(s) %s of %r were still running their code when the call "
           "failed; their threads finish in the background and stop at their next "
