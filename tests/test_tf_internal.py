@@ -1337,6 +1337,30 @@ def test_in_saved_model_trace_and_saved_model_trace_options(tmp_path):
       f"a save did not trace its function again in its save context: {seen}")
 
 
+def test_save_as_tuple_of_components(tmp_path):
+  class Pair:  # A tf.nest structure of two tensors, unknown to TensorFlow's SavedModel.
+    def __init__(self, a, b):
+      self.a, self.b = a, b
+
+    def __tf_flatten__(self):
+      return None, (self.a, self.b)
+
+    @classmethod
+    def __tf_unflatten__(cls, metadata, components):
+      del metadata
+      return cls(*components)
+
+  module = tf.Module()
+  module.f = tf.function(lambda: Pair(tf.constant(1.0), tf.constant(2.0)), input_signature=[])
+  module.f()
+  _tf_internal.save_as_tuple_of_components(Pair, lambda p: p.__tf_flatten__()[1])
+  _tf_internal.save_as_tuple_of_components(Pair, lambda p: p.__tf_flatten__()[1])  # no-op
+  tf.saved_model.save(module, str(tmp_path / "saved"))
+  got = tf.saved_model.load(str(tmp_path / "saved")).f()
+  assert isinstance(got, tuple) and [float(t) for t in got] == [1.0, 2.0], _broke(
+      "save_as_tuple_of_components", f"the loaded function returned {got!r}")
+
+
 def test_saved_model_trace():
   options = tf.saved_model.SaveOptions()
   with _tf_internal.saved_model_trace(options):

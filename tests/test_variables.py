@@ -491,3 +491,37 @@ def test_integer_scatter_div_of_a_tower_local_sum_cross_tower_says_what_to_do():
   with pytest.raises(ValueError, match=r"Cannot scatter_div\(\) the integer tower-local "
                      r"variable .*floored quotients"):
     t.scatter_div(tf.IndexedSlices(tf.constant([2, 2]), tf.constant([0, 1])))
+
+
+
+def test_a_saved_function_taking_and_returning_wrapped_values_loads_with_tuples(tmp_path):
+  """A step traced on `distribute_dataset`'s batches (a `BatchParts`) and returning
+  `reduce`'s `Mirrored` and `call_for_each_tower`'s `PerDevice` saves (it raised
+  TensorFlow's NotEncodableError): loaded, it takes the tower parts as a tuple, returns
+  tuples of the components and writes the variable as the original does."""
+  s = strategy(2)
+  with s.scope():
+    m = tf.Module()
+    m.w = tf.Variable([1.0, 2.0], aggregation=SUM)
+
+  @tf.function
+  def step(batch):
+    def tower(x):
+      m.w.assign_add(tf.reduce_sum(x, 0))
+      return tf.reduce_sum(x)
+    sums = s.call_for_each_tower(tower, batch)
+    return s.reduce("sum", sums), sums
+
+  m.step = step
+  x = np.arange(16, dtype=np.float32).reshape(8, 2)
+  with s.scope():
+    first, second = list(s.distribute_dataset(
+        lambda: tf.data.Dataset.from_tensor_slices(x).batch(4)))
+    m.step(first)
+  loaded = _save_and_load(m, tmp_path)
+  with s.scope():
+    total, sums = m.step(second)
+  got_total, got_sums = loaded.step(tuple(second.values))
+  assert [float(t) for t in got_total] == [float(t) for t in total.values]
+  assert [float(t) for t in got_sums] == [float(t) for t in sums.values]
+  np.testing.assert_array_equal(loaded.w.numpy(), m.w.numpy())

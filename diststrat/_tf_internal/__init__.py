@@ -13,7 +13,7 @@ the job, in the module of its kind:
 | `_collectives` | collective ops; setting up collectives across processes; a peer's health; aborting them |
 | `_functions` | calling a traced function with a flat list of tensors; a `tf.function`'s XLA flag, and a copy of its options around another function |
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running; its wait for pending eager work |
-| `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it; a sliced assignment; whether a SavedModel is tracing |
+| `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it; a sliced assignment; whether a SavedModel is tracing; how a SavedModel describes wrapped values |
 | `_tapes` | recording on gradient tapes |
 | `_keras` | Keras 3 variables, optimizers, per-output loss trackers, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable |
 | `_distribute_stack` | TensorFlow's per-thread distribution-mode stack (`tf.distribute.get_strategy()`) |
@@ -103,6 +103,7 @@ from diststrat._tf_internal._variables import export_to_saved_model_graph as exp
 from diststrat._tf_internal._variables import in_graph_mode as in_graph_mode
 from diststrat._tf_internal._variables import in_saved_model_trace as in_saved_model_trace
 from diststrat._tf_internal._variables import install_saved_model_device_rule as install_saved_model_device_rule
+from diststrat._tf_internal._variables import save_as_tuple_of_components as save_as_tuple_of_components
 from diststrat._tf_internal._variables import saved_model_trace as saved_model_trace
 from diststrat._tf_internal._variables import saved_model_trace_options as saved_model_trace_options
 from diststrat._tf_internal._variables import set_distributed_container as set_distributed_container
@@ -134,7 +135,7 @@ __all__ = [
     "export_to_saved_model_graph", "write_object_proto", "set_distributed_container",
     "distributed_container", "deferred_checkpoint_value", "serialize_to_tensors",
     "strided_slice_assign", "in_saved_model_trace", "saved_model_trace_options", "saved_model_trace",
-    "install_saved_model_device_rule",
+    "install_saved_model_device_rule", "save_as_tuple_of_components",
     # tapes
     "record_backward", "stop_recording", "should_record", "variable_accessed",
     "record_variable_read",

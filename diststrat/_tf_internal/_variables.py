@@ -28,6 +28,7 @@ import functools
 from tensorflow.python.checkpoint import tensor_callable as _tensor_callable  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import ops as _ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.saved_model import nested_structure_coder as _structure_coder  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.saved_model import save_context as _save_context  # pylint: disable=g-direct-tensorflow-import
 
 from diststrat._tf import tf
@@ -166,6 +167,53 @@ def saved_model_trace(options):
   """Context manager: this thread traces for a save with `options` too (a tower thread
   of a function the save traces); the save context is per thread."""
   return _save_context.save_context(options)
+
+
+class _TupleOfComponents:
+  """A codec of TensorFlow's SavedModel structure coder: writes an instance of `cls` as
+  the tuple of its components (what tf.nest flattens it to), which the loader reads back
+  with its own tuple codec. Never decodes."""
+
+  def __init__(self, cls, components):
+    self._cls = cls
+    self._components = components
+
+  def can_encode(self, pyobj):
+    return isinstance(pyobj, self._cls)
+
+  def do_encode(self, pyobj, encode_fn):
+    return encode_fn(tuple(self._components(pyobj)))
+
+  def can_decode(self, value):
+    del value
+    return False
+
+  def do_decode(self, value, decode_fn):
+    raise AssertionError("never decodes")  # can_decode is False.
+
+
+_saved_as_tuples: set = set()
+
+
+def save_as_tuple_of_components(cls, components):
+  """Makes a SavedModel describe an instance of `cls` in a saved function's arguments or
+  results as the tuple `components(instance)`, so that a process without diststrat loads
+  the function (TensorFlow encodes only its own structures: any other raises
+  `NotEncodableError` during `tf.saved_model.save`). `components` must return what
+  `tf.nest` flattens an instance to, in that order. Registering a class twice is a no-op.
+
+  Raises:
+    TensorFlowInternalsError: TensorFlow's structure coder no longer takes codecs.
+  """
+  if cls in _saved_as_tuples:
+    return
+  register = getattr(_structure_coder, "register_codec", None)
+  if not callable(register):
+    raise _base.missing("tensorflow.python.saved_model.nested_structure_coder.register_codec",
+                        "it is missing, so a function taking or returning diststrat's "
+                        "wrapped values could not be saved in a SavedModel")
+  register(_TupleOfComponents(cls, components))
+  _saved_as_tuples.add(cls)
 
 
 def install_saved_model_device_rule():

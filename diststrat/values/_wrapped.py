@@ -110,6 +110,12 @@ class _NestedValues(DistributedValues):
     return wrapped_class(dict(zip(devices, components, strict=True)))
 
 
+# A SavedModel describes a function's arguments and results for a loader that has no
+# diststrat: a wrapped value there is the tuple of its components, in device order (a
+# `BatchParts` of a global batch size: its parts, then that size).
+_tf_internal.save_as_tuple_of_components(_NestedValues, lambda v: v.__tf_flatten__()[1])
+
+
 class PerDevice(_NestedValues):
   """A wrapped value whose components may differ: one per tower (locality T)."""
 
