@@ -513,6 +513,8 @@ def test_a_saved_function_taking_and_returning_wrapped_values_loads_with_tuples(
     return s.reduce("sum", sums), sums
 
   m.step = step
+  m.bump = tf.function(lambda: s.update(m.w, lambda copy, d: copy.assign_add(d),
+                                        tf.constant([1.0, 1.0])), input_signature=[])
   x = np.arange(16, dtype=np.float32).reshape(8, 2)
   with s.scope():
     first, second = list(s.distribute_dataset(
@@ -524,4 +526,7 @@ def test_a_saved_function_taking_and_returning_wrapped_values_loads_with_tuples(
   got_total, got_sums = loaded.step(tuple(second.values))
   assert [float(t) for t in got_total] == [float(t) for t in total.values]
   assert [float(t) for t in got_sums] == [float(t) for t in sums.values]
+  np.testing.assert_array_equal(loaded.w.numpy(), m.w.numpy())
+  # update() runs on the one saved copy while the save traces: one tensor, not a tuple.
+  np.testing.assert_array_equal(loaded.bump().numpy(), m.bump().primary.numpy())
   np.testing.assert_array_equal(loaded.w.numpy(), m.w.numpy())
