@@ -566,7 +566,13 @@ class DistributionStrategy:
   def _variable_creator(self, next_creator, **kwargs):
     for hook in _variable_creation_hooks:
       hook(self)
-    return self._create_variable(next_creator, kwargs, self._colocation_target())
+    variable = self._create_variable(next_creator, kwargs, self._colocation_target())
+    if isinstance(variable, tf.Variable) and _variables.created_by(variable) is None:
+      # A plain variable made by this strategy's policy (a strategy that keeps one copy,
+      # as docs/write_your_own_strategy.md's example does): code checking where a
+      # variable comes from (a Keras model's) then knows it is this strategy's.
+      _variables.mark_created_by(variable, self)
+    return variable
 
   def _run_on_devices(self, devices, fn, args, kwargs, first_arg=None):
     """Runs `fn` once per device with the update device set; regroups the results.

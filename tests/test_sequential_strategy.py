@@ -101,3 +101,34 @@ def test_bad_aggregation_and_pairs():
       s.batch_reduce("sum", [tf.constant(1.0)])
     with pytest.raises(ValueError, match="destinations must be None, a device string"):
       s.reduce("sum", tf.constant(1.0), destinations=42)
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_keras_model_built_in_the_scope_trains_and_evaluates(run_eagerly):
+  # The strategy keeps plain variables; they are still its own (it made them in its
+  # scope), so Keras's fit and evaluate run under it as under the shipped strategies.
+  import keras  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(8, 3)).astype(np.float32)
+  y = rng.normal(size=(8, 1)).astype(np.float32)
+
+  def results(strategy):
+    with strategy.scope():
+      keras.utils.set_random_seed(3)
+      model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+      model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"],
+                    run_eagerly=run_eagerly)
+    evaluated = model.evaluate(x, y, batch_size=8, verbose=0)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    return evaluated, [v.numpy() for v in model.trainable_variables]
+
+  reference_eval, reference_weights = results(ds.DefaultStrategy())
+  # evaluate sums every tower's metrics: one device's, on any number of towers.
+  np.testing.assert_allclose(results(SequentialStrategy(CPUS[:2]))[0], reference_eval,
+                             rtol=1e-6)
+  # One tower trains as one device (with more, each tower's merge_call applies its own
+  # part's gradient in turn: the strategy's design).
+  one_eval, one_weights = results(SequentialStrategy(CPUS[:1]))
+  np.testing.assert_allclose(one_eval, reference_eval, rtol=1e-6)
+  for got, want in zip(one_weights, reference_weights, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-6)
