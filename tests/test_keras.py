@@ -477,6 +477,47 @@ def test_replica_context_all_gather_and_its_gradient_match_one_device(towers, ax
     assert component.numpy().sum() == 15
 
 
+def _replica_reductions():
+  """What tf.distribute code reduces in a replica function: numbers, integers, means."""
+  ctx = tf.distribute.get_replica_context()
+  rid = tf.cast(ctx.replica_id_in_sync_group, tf.int32)
+  ints = tf.constant([1, 2], tf.int32) + rid
+  return {
+      "towers": ctx.all_reduce(tf.distribute.ReduceOp.SUM, 1.0),  # Counting the towers.
+      "int_sum": ctx.all_reduce("sum", 2),
+      "int_mean": ctx.all_reduce(tf.distribute.ReduceOp.MEAN, ints),
+      "float_mean": ctx.all_reduce("mean", {"f": tf.cast(ints, tf.float32)}),
+      "ints": ints,
+  }
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("towers", [1, 2])
+def test_replica_context_all_reduce_and_reduce_match_tf_distribute(towers, traced):
+  """`all_reduce("sum", 1.0)` gave 1.0 on every tower count (the towers' equal Python
+  numbers were taken as one value); a mean of integers floored where tf.distribute
+  divides (`all_reduce` over several towers, and `reduce` with an `axis` on one)."""
+  devices = ["/cpu:%d" % i for i in range(towers)]
+
+  def results(strategy, traced):
+    with strategy.scope():
+      adapter = tf.distribute.get_strategy()
+
+      def step():
+        per_tower = adapter.run(_replica_reductions)
+        local = {key: adapter.experimental_local_results(per_tower[key]) for key in per_tower}
+        return local, adapter.reduce("mean", per_tower["ints"], axis=0)
+
+      local, mean = tf.function(step)() if traced else step()
+    return tf.nest.map_structure(lambda t: (t.dtype.name, t.numpy().tolist()), (local, mean))
+
+  # tf.distribute's own eager run refuses Python numbers: its traced results are the
+  # reference.
+  expected = results(tf.distribute.MirroredStrategy(
+      devices, cross_device_ops=tf.distribute.ReductionToOneDevice()), traced=True)
+  assert results(ds.MirroredStrategy(devices), traced) == expected
+
+
 @pytest.mark.parametrize("towers", [1, 2, 4])
 def test_experimental_distribute_values_from_function_gives_each_tower_its_value(towers):
   """It was missing (AttributeError)."""

@@ -138,10 +138,14 @@ class ReplicaContextAdapter:
     del options
     op = _reduce_op_name(reduce_op)
     tower = self._tower
-    flat = _wrapped.flatten(value)
+    # Python numbers and numpy values as tensors, as tf.distribute takes them: every tower
+    # passing the same number regrouped to that one number, which a reduction took as one
+    # value (a "sum" of 1.0 over N towers gave 1.0, not N).
+    flat = [tf.convert_to_tensor(v) if isinstance(v, (int, float, complex)) else v
+            for v in _wrapped.flatten(value)]
 
     def merge_fn(strategy, *leaves):
-      return tuple(strategy.batch_reduce(op, [(leaf, None) for leaf in leaves]))
+      return tuple(_all_reduced(strategy, op, leaves))
 
     if not all(isinstance(v, tf.Tensor) and v.dtype.is_floating for v in flat):
       return _wrapped.pack_as(value, tower.merge_call(merge_fn, *flat))
@@ -212,6 +216,39 @@ class ReplicaContextAdapter:
       for i, g in zip(floats, gather_floats(*[flat[i] for i in floats]), strict=True):
         results[i] = g
     return _wrapped.pack_as(value, results)
+
+
+def _all_reduced(strategy, op, leaves):
+  """`leaves` (per-tower values) reduced by `op` over the towers, mirrored to each.
+
+  As tf.distribute's `all_reduce`, a "mean" of integers over several towers is a true
+  division (float64 for int32, as `tf.math.truediv` gives); diststrat's own reduce
+  floors and keeps the dtype (docs/cross_tower_ops.md).
+  """
+  integer_means = [i for i, leaf in enumerate(leaves)
+                   if op == "mean" and _is_per_tower(leaf) and len(leaf.values) > 1 and
+                   tf.as_dtype(leaf.values[0].dtype).is_integer]
+  if not integer_means:
+    return strategy.batch_reduce(op, [(leaf, None) for leaf in leaves])
+  pairs = [(leaf, None) for i, leaf in enumerate(leaves) if i not in integer_means]
+  reduced = strategy.batch_reduce(op, pairs) if pairs else []
+  sums = []
+  for i in integer_means:
+    leaf = leaves[i]
+    ones = _wrapped.PerDevice({d: tf.ones([], leaf.values[0].dtype) for d in leaf.devices})
+    sums.append(strategy.batch_reduce("sum", [(leaf, None), (ones, None)]))
+  results, rest, means = [], iter(reduced), iter(sums)
+  for i in range(len(leaves)):
+    if i not in integer_means:
+      results.append(next(rest))
+      continue
+    total, count = next(means)
+    quotients = {}
+    for device in total.devices:
+      with tf.device(device):
+        quotients[device] = tf.math.truediv(total.get(device), count.get(device))
+    results.append(_wrapped.Mirrored(quotients))
+  return results
 
 
 def _gather_axis(value, axis):
@@ -584,8 +621,15 @@ class StrategyAdapter:
     if not _is_per_tower(value):
       if axis is None:
         return value
-      reduce_axis = tf.reduce_sum if op == "sum" else tf.reduce_mean
-      return reduce_axis(value, axis=axis)
+      if op == "sum":
+        return tf.reduce_sum(value, axis=axis)
+      value = tf.convert_to_tensor(value)
+      if value.dtype.is_integer:
+        # A true division, as with several towers (below) and as tf.distribute's: the
+        # mean of integers [1, 2] is 1.5 (float64), not tf.reduce_mean's floored 1.
+        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(value), axis)), value.dtype)
+        return tf.math.truediv(tf.reduce_sum(value, axis=axis), count)
+      return tf.reduce_mean(value, axis=axis)
     devices = value.devices
     parts = [tf.convert_to_tensor(p) for p in value.values]
     if axis is None:
