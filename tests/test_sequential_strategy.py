@@ -132,3 +132,45 @@ def test_a_keras_model_built_in_the_scope_trains_and_evaluates(run_eagerly):
   np.testing.assert_allclose(one_eval, reference_eval, rtol=1e-6)
   for got, want in zip(one_weights, reference_weights, strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("use_function", [False, True])
+def test_tf_distribute_replica_context_and_a_keras_optimizer_in_a_custom_loop(use_function):
+  # The base TowerContext._merge_call hands merge_fn's result back as it is; the
+  # tf.distribute bridge gives each tower its part, as tf.distribute does (all_reduce
+  # got a Mirrored and failed to convert it to a tensor).
+  import keras  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(4)
+  x = tf.constant(rng.normal(size=(6, 3)).astype(np.float32))
+  y = tf.constant(rng.normal(size=(6, 1)).astype(np.float32))
+
+  def results(strategy):
+    with strategy.scope():
+      keras.utils.set_random_seed(5)
+      model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      optimizer = keras.optimizers.Adam(0.1)
+
+    def tower(x, y):
+      ctx = tf.distribute.get_replica_context()
+      with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y, model(x))
+      grads = tape.gradient(loss, model.trainable_variables)
+      optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+      merged = ctx.merge_call(lambda s, v: s.extended.reduce_to("sum", v, v), args=(loss,))
+      return ctx.all_reduce("sum", loss), merged, ctx.all_gather(x, axis=0)
+
+    def step():
+      if isinstance(strategy, ds.DefaultStrategy):
+        return tower(x, y)
+      return tf.distribute.get_strategy().run(tower, args=(x, y))
+
+    with strategy.scope():
+      outputs = [tf.function(step)() if use_function else step() for _ in range(2)]
+    return [[np.asarray(t) for t in o] for o in outputs], [v.numpy() for v in model.weights]
+
+  expected_outputs, expected_weights = results(ds.DefaultStrategy())
+  outputs, weights = results(SequentialStrategy(CPUS[:1]))
+  for got, want in zip(outputs + [weights], expected_outputs + [expected_weights],
+                       strict=True):
+    for g, w in zip(got, want, strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-6)

@@ -125,8 +125,15 @@ class ReplicaContextAdapter:
     return (self._tower.device,)
 
   def merge_call(self, merge_fn, args=(), kwargs=None):
-    return self._tower.merge_call(_MergeFn(merge_fn, self._adapter), *args,
-                                  **(kwargs or {}))
+    return self._merged(_MergeFn(merge_fn, self._adapter), *args, **(kwargs or {}))
+
+  def _merged(self, merge_fn, *args, **kwargs):
+    """The tower's `merge_call`, giving back this tower's part of the result, as
+    tf.distribute's does: a strategy that keeps `TowerContext`'s own `_merge_call`
+    (docs/write_your_own_strategy.md) hands `merge_fn`'s result back as it is, a
+    `Mirrored` from a reduction included."""
+    return _wrapped.tower_part(self._tower.device,
+                               self._tower.merge_call(merge_fn, *args, **kwargs))
 
   def all_reduce(self, reduce_op, value, options=None):
     """Reduces `value` (a tensor or a structure of them) over the towers; all get the result.
@@ -137,8 +144,7 @@ class ReplicaContextAdapter:
     """
     del options
     op = _reduce_op_name(reduce_op)
-    tower = self._tower
-    # Python numbers and numpy values as tensors, as tf.distribute takes them: every tower
+    # Python numbers as tensors, as tf.distribute takes them: every tower
     # passing the same number regrouped to that one number, which a reduction took as one
     # value (a "sum" of 1.0 over N towers gave 1.0, not N).
     flat = [tf.convert_to_tensor(v) if isinstance(v, (int, float, complex)) else v
@@ -148,14 +154,14 @@ class ReplicaContextAdapter:
       return tuple(_all_reduced(strategy, op, leaves))
 
     if not all(isinstance(v, tf.Tensor) and v.dtype.is_floating for v in flat):
-      return _wrapped.pack_as(value, tower.merge_call(merge_fn, *flat))
+      return _wrapped.pack_as(value, self._merged(merge_fn, *flat))
 
     @tf.custom_gradient
     def all_reduce(*leaves):
-      reduced = tower.merge_call(merge_fn, *leaves)
+      reduced = self._merged(merge_fn, *leaves)
 
       def grad(*upstream):
-        return tower.merge_call(merge_fn, *upstream)
+        return self._merged(merge_fn, *upstream)
 
       return tuple(tf.identity(r) for r in reduced), grad
 
@@ -184,7 +190,7 @@ class ReplicaContextAdapter:
     others = [i for i in range(len(flat)) if i not in floats]
     results: list = [None] * len(flat)
     if others:
-      gathered = tower.merge_call(gather_along([axes[i] for i in others]),
+      gathered = self._merged(gather_along([axes[i] for i in others]),
                                   *[flat[i] for i in others])
       for i, g in zip(others, gathered, strict=True):
         results[i] = g
@@ -199,12 +205,12 @@ class ReplicaContextAdapter:
 
       @tf.custom_gradient
       def gather_floats(*leaves):
-        gathered = tower.merge_call(gather_along(float_axes), *leaves)
+        gathered = self._merged(gather_along(float_axes), *leaves)
 
         def grad(*upstream):
           own = [tf.reshape(tf.shape(leaf)[a], [1]) for leaf, a in
                  zip(leaves, float_axes, strict=True)]
-          totals, sizes = tower.merge_call(backward_fn, tuple(upstream), tuple(own))
+          totals, sizes = self._merged(backward_fn, tuple(upstream), tuple(own))
           # This tower's part starts after the parts of the towers before it.
           return tuple(
               tf.gather(total, tf.range(tf.reduce_sum(size[:tower.tower_id]),
