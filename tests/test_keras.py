@@ -518,6 +518,38 @@ def test_replica_context_all_reduce_and_reduce_match_tf_distribute(towers, trace
   assert results(ds.MirroredStrategy(devices), traced) == expected
 
 
+@pytest.mark.parametrize("towers", [1, 2])
+def test_reduce_of_a_value_every_tower_returned_matches_tf_distribute(towers):
+  """A sum of what every tower returned as one object (a Python number, a tensor made
+  outside the function) was that value, as if there were one tower: with an axis it
+  counts once per tower, without one it is refused, as tf.distribute does."""
+  devices = ["/cpu:%d" % i for i in range(towers)]
+
+  def results(strategy):
+    outer = tf.constant([1.0, 2.0])
+    out = []
+    with strategy.scope():
+      adapter = tf.distribute.get_strategy()
+      for fn, axes in ((lambda: outer, (None, 0)), (lambda: 3.0, (None,))):
+        for op in ("SUM", "MEAN"):
+          for axis in axes:
+            try:
+              out.append(float(tf.reduce_sum(adapter.reduce(op, adapter.run(fn), axis=axis))))
+            except ValueError:
+              out.append("ValueError")
+    return out
+
+  expected = results(tf.distribute.MirroredStrategy(
+      devices, cross_device_ops=tf.distribute.ReductionToOneDevice()))
+  assert results(ds.MirroredStrategy(devices)) == expected
+  if towers > 1:
+    s = ds.MirroredStrategy(devices)
+    with s.scope(), pytest.raises(ValueError, match=r"reduce\('sum', value, axis=None\) takes "
+                                  r"what run\(\) returned.*multiply the value by "
+                                  r"num_replicas_in_sync"):
+      tf.distribute.get_strategy().reduce("SUM", 3.0, axis=None)
+
+
 @pytest.mark.parametrize("towers", [1, 2, 4])
 def test_experimental_distribute_values_from_function_gives_each_tower_its_value(towers):
   """It was missing (AttributeError)."""

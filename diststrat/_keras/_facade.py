@@ -615,7 +615,9 @@ class StrategyAdapter:
     every tower (towers of different sizes weigh by their sizes, an empty one adds
     nothing). Per-tower values are reduced by the strategy (over every worker process,
     under MultiWorkerMirroredStrategy); the result is on the first worker device. A
-    value that is not per-tower is one tower's value.
+    value that is not per-tower (every tower returned the same object) stands for every
+    tower's, as in tf.distribute: its `"sum"` with an `axis` counts it once per tower,
+    and without one raises `ValueError` (on one tower it is the value).
     """
     op = _reduce_op_name(reduce_op)
     leaves = _wrapped.flatten(value) if _wrapped.is_structure(value) else [value]
@@ -625,6 +627,24 @@ class StrategyAdapter:
   def _reduce_one(self, op, value, axis):
     first = self._ds.worker_devices[0]
     if not _is_per_tower(value):
+      towers = self._ds.num_towers
+      if op == "sum" and towers > 1:
+        # As tf.distribute's: the value stands for every tower's (what run returns when
+        # every tower returned the same object); without an axis its sum is refused
+        # (it was the value itself, as if there were one tower).
+        if axis is None:
+          raise ValueError(
+              f"reduce('sum', value, axis=None) takes what run() returned for each tower, "
+              f"but received a value that is not per-tower ({type(value).__name__}) under "
+              f"{self._ds!r}, which has {towers} towers: every tower returned the same "
+              "object (a Python number, or a tensor or variable made outside the "
+              "function), or the value is not a result of run(). Its sum over the towers "
+              "is ambiguous, and tf.distribute refuses it too. Return a tensor computed in "
+              "the function (tf.constant(...) there), or multiply the value by "
+              "num_replicas_in_sync.")
+        with tf.device(first):
+          total = tf.reduce_sum(value, axis=axis)
+          return total * tf.cast(towers, total.dtype)
       if axis is None:
         return value
       if op == "sum":
