@@ -28,8 +28,10 @@ class SequentialStrategy(ds.DistributionStrategy):
 
   def _call_for_each_tower(self, fn, args, kwargs):
     results = []
+    shares = ds.values.batch_shares((args, kwargs)) or {}  # Of a split batch, if any.
     for tower_id, device in enumerate(self._devices):
-      context = ds.TowerContext(self, tower_id, len(self._devices), device)
+      context = ds.TowerContext(self, tower_id, len(self._devices), device,
+                                batch_share=shares.get(device))
       with tf.device(device), self._tower_scope(context):
         results.append(fn(*ds.values.select_device(device, args),
                           **ds.values.select_device(device, kwargs)))

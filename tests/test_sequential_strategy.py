@@ -174,3 +174,24 @@ def test_tf_distribute_replica_context_and_a_keras_optimizer_in_a_custom_loop(us
                        strict=True):
     for g, w in zip(got, want, strict=True):
       np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+@pytest.mark.parametrize("use_function", [False, True])
+def test_towers_get_their_share_of_a_split_batch(use_function):
+  # The example gave its towers no batch_share: Keras losses and diststrat's optimizers
+  # then weighed each tower 1/N, not one device's weights on a ragged batch.
+  data = np.arange(7, dtype=np.float32)
+  shares = {}
+  for name, strategy in (("sequential", SequentialStrategy(CPUS[:3])),
+                         ("mirrored", ds.MirroredStrategy(CPUS[:3]))):
+    with strategy.scope():
+      batches = strategy.distribute_dataset(
+          lambda: tf.data.Dataset.from_tensor_slices(data).batch(7))
+      step = lambda batch, s=strategy: s.call_for_each_tower(  # noqa: E731
+          lambda x: tf.constant(1.0) * ds.get_tower_context().batch_share, batch)
+      for batch in batches:
+        per_tower = tf.function(step)(batch) if use_function else step(batch)
+        shares[name] = [float(v) for v in strategy.unwrap(per_tower)]
+  assert shares["sequential"] == shares["mirrored"]
+  np.testing.assert_allclose(shares["sequential"],
+                             [len(part) / 7 for part in np.array_split(data, 3)], rtol=1e-6)

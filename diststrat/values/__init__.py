@@ -5,6 +5,7 @@
 """
 
 from diststrat.values._wrapped import DistributedValues as DistributedValues
+from diststrat.values._wrapped import batch_shares as batch_shares
 from diststrat.values._wrapped import Mirrored as Mirrored
 from diststrat.values._wrapped import PerDevice as PerDevice
 from diststrat.values._wrapped import regroup as regroup
@@ -19,6 +20,7 @@ __all__ = [
     "Mirrored",
     "regroup",
     "select_device",
+    "batch_shares",
     "DistributedVariable",
     "MirroredVariable",
     "TowerLocalVariable",

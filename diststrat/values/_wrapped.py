@@ -157,16 +157,18 @@ class BatchParts(PerDevice):
     return wrapped_class(dict(zip(devices, components, strict=True)))
 
 
-def batch_shares(structure):
+def batch_shares(structure: Any) -> dict[str, Any] | None:
   """Each component's share of the first `BatchParts` in `structure`, or None.
 
   Returns a dict device -> n_i / B: Python floats when the parts' sizes are static,
-  float32 scalar tensors otherwise (0 for every part of an empty batch).
+  float32 scalar tensors otherwise (0 for every part of an empty batch). A strategy's
+  `_call_for_each_tower` gives each tower's `TowerContext` its share of the arguments
+  (docs/write_your_own_strategy.md).
   """
   parts = next((leaf for leaf in flatten(structure) if isinstance(leaf, BatchParts)), None)
   if parts is None:
     return None
-  sizes = [p.shape[0] if p.shape.rank else None for p in parts.values]
+  sizes: list[Any] = [p.shape[0] if p.shape.rank else None for p in parts.values]
   total = parts.global_size
   if all(isinstance(n, int) for n in sizes) and (total is None or isinstance(total, int)):
     total = sum(sizes) if total is None else total
