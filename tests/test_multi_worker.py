@@ -339,6 +339,32 @@ def _keras_fit_fn(strategy, checkpoint_dir):
   return result
 
 
+def _gather_fn(strategy):
+  """gather() of a plain value (one per worker), along negative axes, of booleans, and
+  of strings (refused)."""
+  results = {}
+  with strategy.scope():
+    tower_id = lambda: ds.get_tower_context().tower_id  # noqa: E731
+    mine = tf.constant([1.0, 2.0]) * (strategy.task_id + 1)
+    results["plain"] = strategy.gather(mine).numpy().tolist()
+    results["plain_scalar"] = strategy.gather(tf.constant(3.0)).numpy().tolist()
+    # Then per-tower scalars: the eager gather of one component was reused for four.
+    results["scalars"] = strategy.gather(strategy.call_for_each_tower(
+        lambda: tf.cast(tower_id(), tf.float32))).numpy().tolist()
+    columns = strategy.call_for_each_tower(lambda: tf.fill([2, 1], float(tower_id())))
+    results["axes"] = {axis: strategy.gather(columns, axis=axis).numpy().tolist()
+                       for axis in (-1, -2, 1)}
+    flags = tf.function(lambda: strategy.gather(
+        strategy.call_for_each_tower(lambda: tf.fill([1, 2], tower_id() % 2 == 0)), axis=-1))
+    results["bools"] = flags().numpy().tolist()
+    try:
+      strategy.gather(strategy.call_for_each_tower(lambda: tf.fill([1], "a")))
+      results["strings"] = None
+    except TypeError as e:
+      results["strings"] = str(e)
+  return results
+
+
 def _touch(path):
   with open(path, "w"):
     pass
@@ -595,6 +621,46 @@ def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_devic
   exported = tf.saved_model.load(str(tmp_path / "export"))  # (kept: it owns the variables)
   served = exported.serve(tf.constant(_keras_data()[0]))
   np.testing.assert_allclose(served.numpy(), reference["predictions"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_gather_of_plain_values_negative_axes_and_booleans_across_workers():
+  """A plain value raised (it has no component on the second device), a negative axis
+  built a transpose of the wrong rank, booleans reached a kernel that takes no bool."""
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, result_timeout=TIMEOUT) as c:
+    results = c.run_on_workers(_gather_fn)
+  # The reference: one process, 4 towers; a plain value counts once in each worker.
+  s = ds.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")][:4])
+  with s.scope():
+    tower_id = lambda: ds.get_tower_context().tower_id  # noqa: E731
+    columns = s.call_for_each_tower(lambda: tf.fill([2, 1], float(tower_id())))
+    axes = {axis: s.gather(columns, axis=axis).numpy().tolist() for axis in (-1, -2, 1)}
+    flags = s.gather(s.call_for_each_tower(lambda: tf.fill([1, 2], tower_id() % 2 == 0)),
+                     axis=-1).numpy().tolist()
+    scalars = s.gather(s.call_for_each_tower(
+        lambda: tf.cast(tower_id(), tf.float32))).numpy().tolist()
+  for result in results:
+    assert result["plain"] == np.concatenate([[1.0, 2.0], [2.0, 4.0]]).tolist()
+    assert result["plain_scalar"] == [3.0, 3.0]
+    assert result["scalars"] == scalars
+    assert result["axes"] == axes
+    assert result["bools"] == flags
+    assert "carries numbers and booleans only" in result["strings"], result["strings"]
+
+
+def test_one_worker_multi_worker_gather_equals_mirrored():
+  """Without a cluster, gather() is MirroredStrategy's: a plain value, a negative axis."""
+  devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+  got = []
+  for s in (ds.MultiWorkerMirroredStrategy(devices=devices), ds.MirroredStrategy(devices)):
+    with s.scope():
+      columns = s.call_for_each_tower(
+          lambda: tf.fill([2, 1], float(ds.get_tower_context().tower_id)))
+      got.append([s.gather(tf.constant([1.0, 2.0])).numpy().tolist(),
+                  s.gather(tf.constant(3.0)).numpy().tolist(),
+                  s.gather(columns, axis=-1).numpy().tolist()])
+  assert got[0] == got[1]
 
 
 def test_multi_worker_argument_errors():

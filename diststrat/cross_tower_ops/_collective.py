@@ -108,12 +108,14 @@ def _carried(value, gather=False):
   A complex value travels as its real and imaginary parts on a last axis of 2; a small
   or unsigned integer in a wider signed one (its sum wraps back as the dtype's own
   addition would); uint64 as int64, bit for bit (two's complement adds alike); for a
-  gather, whose kernels do not take bfloat16, bfloat16 as float32 (exactly). Other
-  dtypes go as they are, and TensorFlow's error names them.
+  gather, whose kernels do not take bfloat16 or bool, bfloat16 as float32 (exactly) and
+  bool as int32. Other dtypes go as they are, and TensorFlow's error names them.
   """
   dtype = value.dtype
   if gather and dtype == tf.bfloat16:
     return tf.cast(value, tf.float32), lambda total: tf.cast(total, dtype)
+  if gather and dtype == tf.bool:
+    return tf.cast(value, tf.int32), lambda total: tf.cast(total, dtype)
   if dtype in _COLLECTIVE_DTYPES:
     return value, lambda total: total
   if dtype.is_complex:
@@ -185,9 +187,14 @@ def all_gather(value, device, group, timeout):
   """This process's member of a collective gather over `group`: the members' values,
   of one shape, concatenated along axis 0 in the group's order."""
   with tf.device(device):
+    carrier, back = _carried(value, gather=True)
+    if carrier.dtype not in _COLLECTIVE_DTYPES:
+      raise TypeError(
+          f"gather() across worker processes carries numbers and booleans only: "
+          f"TensorFlow's collectives cannot carry {value.dtype.name} values. Gather "
+          "numbers (e.g. ids or codes) instead and map them back afterwards.")
     group_size, group_key, instance_key = (len(group), _KEYS.group_key(group),
                                            _KEYS.instance_key())
-    carrier, back = _carried(value, gather=True)
     if _tf_internal.in_while_loop():
       return back(_tf_internal.all_gather_v2(carrier, group_size, group_key, instance_key,
                                              timeout, ordering_token=_ordering_token()))

@@ -212,15 +212,21 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     """Every tower's value of every worker, concatenated along `axis` in tower order."""
     local, _, _, _ = self._bound()
 
+    # A plain value has one component (on the first device): one value per worker.
+    components = [per_device_value.get(d) for d in local if d in per_device_value.devices]
+    rank = components[0].shape.rank
+    if axis < 0 and rank is not None:
+      axis += rank  # The axis moved to the front and back must be the same one.
+
     def build(*components):
       with tf.device(local[0]):
         mine = tf.concat(list(components), axis=axis)
         moved = _move_axis(mine, axis, 0)
         return _move_axis(self._gather_rows(moved), 0, axis)
 
-    components = [per_device_value.get(d) for d in local]
     if tf.executing_eagerly():
-      return self._eager_function(("gather", axis), build)(*components)
+      # One function per number of components too: a plain value has one.
+      return self._eager_function(("gather", axis, len(components)), build)(*components)
     return build(*components)
 
   def _eager_function(self, key, build):

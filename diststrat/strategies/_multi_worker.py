@@ -160,10 +160,15 @@ class MultiWorkerMirroredStrategy(_cluster_spec.ClusterTaskMixin, _mirrored.Mirr
     return self._worker_index * len(self._devices), len(self._all_devices)
 
   def _gather(self, value, axis, destinations):
-    components = self._unwrap(value)
-    if all(getattr(c, "shape", None) is not None and c.shape.rank == 0 for c in components):
+    if self._num_workers == 1:
+      return super()._gather(value, axis, destinations)
+    # Python numbers and numpy values too. A plain value has one component, this
+    # worker's value, on the first device: the workers' values are concatenated.
+    with tf.device(self._devices[0]):
+      components = [c if isinstance(c, (tf.Tensor, tf.Variable)) else tf.convert_to_tensor(c)
+                    for c in self._unwrap(value)]
+    if all(c.shape.rank == 0 for c in components):
       components, axis = [tf.reshape(c, [1]) for c in components], 0  # Stacked, as locally.
-    # strict=False: as before for a plain value, whose one component is the first device's.
     gathered = self._cross_tower_ops.gather(_wrapped.PerDevice(
         dict(zip(self._devices, components, strict=False))), axis)
     if destinations is None:
