@@ -365,6 +365,30 @@ def _gather_fn(strategy):
   return results
 
 
+def _ragged_eager_data():
+  rng = np.random.default_rng(8)
+  ids = rng.integers(0, VOCAB, size=(22,)).astype(np.int32)  # Batches of 8, 8 and 6.
+  return ids, rng.normal(size=(22, 1)).astype(np.float32)
+
+
+def _ragged_eager_fn(strategy):
+  """Eager steps and gathers over batches of 8, 8, 6: towers of 2, 2, 2, 2 then 2, 2, 1,
+  1, so worker 0's shapes stay and worker 1's change at the last batch."""
+  ids, y = _ragged_eager_data()
+  with strategy.scope():
+    emb = tf.Variable(np.ones((VOCAB, 1), np.float32), name="emb")
+    opt = ds.optimizers.GradientDescent(0.1)
+    batches = strategy.distribute_dataset(
+        lambda: tf.data.Dataset.from_tensor_slices((ids, y)).batch(8))
+  gathered = []
+  for batch_ids, batch_y in batches:  # Sparse gradients, reduced eagerly.
+    strategy.call_for_each_tower(lambda i, t: opt.minimize(
+        lambda: tf.reduce_mean(tf.square(tf.gather(emb, i) - t)), var_list=[emb]),
+        batch_ids, batch_y)
+    gathered.append(strategy.gather(batch_y).numpy())
+  return {"emb": emb.numpy().tolist(), "gathered": np.concatenate(gathered).tolist()}
+
+
 def _touch(path):
   with open(path, "w"):
     pass
@@ -647,6 +671,25 @@ def test_gather_of_plain_values_negative_axes_and_booleans_across_workers():
     assert result["axes"] == axes
     assert result["bools"] == flags
     assert "carries numbers and booleans only" in result["strings"], result["strings"]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_eager_sparse_steps_and_gathers_over_a_ragged_last_batch():
+  """Eager reductions and gathers traced for each worker's own shapes: at the last batch
+  worker 1 traced anew and worker 0 reused its trace, so their collective keys parted
+  and both failed at the collective timeout, blaming the other."""
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, result_timeout=TIMEOUT,
+                    strategy_kwargs={"collective_timeout": 10.0}) as c:
+    results = c.run_on_workers(_ragged_eager_fn)
+  ids, y = _ragged_eager_data()
+  emb, opt = tf.Variable(np.ones((VOCAB, 1), np.float32)), ds.optimizers.GradientDescent(0.1)
+  for start in range(0, 22, 8):  # The reference: one device, the same global batches.
+    opt.minimize(lambda s=start: tf.reduce_mean(tf.square(
+        tf.gather(emb, ids[s:s + 8]) - y[s:s + 8])), var_list=[emb])
+  for result in results:
+    np.testing.assert_allclose(result["emb"], emb.numpy(), rtol=1e-5, atol=1e-6)
+    assert result["gathered"] == y.tolist()
 
 
 def test_one_worker_multi_worker_gather_equals_mirrored():

@@ -225,18 +225,28 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
         return _move_axis(self._gather_rows(moved), 0, axis)
 
     if tf.executing_eagerly():
-      # One function per number of components too: a plain value has one.
-      return self._eager_function(("gather", axis, len(components)), build)(*components)
+      # Traced once per number, dtypes and ranks of the components (a plain value has
+      # one), for any shapes: the workers' shapes differ (a ragged last batch), and a
+      # worker that retraced for a new shape while another reused its trace would take
+      # new collective keys that the others' collectives never meet.
+      components = [tf.convert_to_tensor(c) for c in components]
+      specs = tuple(tf.TensorSpec([None] * c.shape.rank, c.dtype)
+                    if c.shape.rank is not None else tf.TensorSpec(None, c.dtype)
+                    for c in components)
+      return self._eager_function(("gather", axis, specs), build, specs)(*components)
     return build(*components)
 
-  def _eager_function(self, key, build):
-    """The tf.function of `build` for `key`, made once: later calls of the same shapes
-    reuse its trace, and other shapes relax into one (`reduce_retracing`). Every worker
-    makes the same calls in the same order, so they trace the same collectives."""
+  def _eager_function(self, key, build, input_signature=None):
+    """The tf.function of `build` for `key`, made once. With `input_signature`, its one
+    trace serves every call. Without, later calls of the same shapes reuse its trace, and
+    other shapes relax into one (`reduce_retracing`): only for values whose shapes are
+    the same in every worker, which then make the same calls in the same order and
+    trace the same collectives."""
     function = self._eager_functions.get(key)
     if function is None:
       function = self._eager_functions[key] = tf.function(
-          build, autograph=False, reduce_retracing=True)
+          build, autograph=False, reduce_retracing=input_signature is None,
+          input_signature=input_signature)
     return function
 
   # --- building blocks ---

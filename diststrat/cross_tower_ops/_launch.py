@@ -5,6 +5,10 @@ work for a batch of values into a `tf.function` and calls that. One call starts 
 on every device together (eager collectives launched one device at a time hang) and
 costs one dispatch instead of one per op. Traces are cached per signature (devices,
 dtypes, shapes, sparse or dense, destinations), the least recently used dropped first.
+An `IndexedSlices`' number of slices is left out of its signature (traced as unknown):
+it differs between the worker processes of a `MultiWorkerMirroredStrategy` (a ragged
+last batch), and a trace takes new collective keys, so a worker that traced for its new
+count while another reused its trace would no longer meet the others' collectives.
 
 The traced function takes and returns flat lists of tensors: the values' components
 (an `IndexedSlices` as its parts) in order, so a call binds no Python structure.
@@ -67,7 +71,9 @@ class Launcher:
       out_kinds.extend(kinds)
       return outputs
 
-    function = tf.function(body, autograph=False).get_concrete_function(*flat)
+    specs = [tf.TensorSpec(shape, dtype) for components, _ in signature
+             for _, _, parts in components for dtype, shape in parts]
+    function = tf.function(body, autograph=False).get_concrete_function(*specs)
     return function, out_kinds
 
 
@@ -91,8 +97,12 @@ def _flatten_items(items):
     for device, component in zip(value.devices, value.values, strict=True):
       parts = _component_tensors(component)
       flat.extend(parts)
-      components.append((device, isinstance(component, tf.IndexedSlices),
-                         tuple((p.dtype, tuple(p.shape)) for p in parts)))
+      sparse = isinstance(component, tf.IndexedSlices)
+      shapes = [tuple(p.shape) for p in parts]
+      if sparse:  # Values and indices: any number of slices (see the module's doc).
+        shapes[0], shapes[1] = (None,) + shapes[0][1:], (None,) + shapes[1][1:]
+      components.append((device, sparse, tuple(
+          (p.dtype, shape) for p, shape in zip(parts, shapes, strict=True))))
     signature.append((tuple(components), destinations))
   return flat, tuple(signature)
 
