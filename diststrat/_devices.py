@@ -12,6 +12,18 @@ from diststrat import _tf_internal
 
 _LOCAL_DEFAULTS = tf.DeviceSpec(job="localhost", replica=0, task=0, device_type="CPU",
                                 device_index=0)
+# What `canonicalize` fills in: the local process's defaults, or its task's in a cluster.
+_process_defaults = _LOCAL_DEFAULTS
+
+
+def set_process_task(task: str | None) -> None:
+  """Makes `canonicalize` fill in `task` (such as "/job:worker/replica:0/task:1") where a
+  device string names no job, replica or task, as TensorFlow places "/cpu:0" in a
+  process that is a task of a cluster; None: "/job:localhost/replica:0/task:0" again."""
+  global _process_defaults
+  _process_defaults = (_LOCAL_DEFAULTS if task is None
+                       else _LOCAL_DEFAULTS.make_merged_spec(tf.DeviceSpec.from_string(task)))
+  canonicalize.cache_clear()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -20,7 +32,8 @@ def canonicalize(device: str | tf.DeviceSpec | tf.config.LogicalDevice,
   """Returns the full name of `device`: `/job:J/replica:R/task:T/device:TYPE:N`.
 
   Missing parts come from `default` (a device string), then from the local process
-  (`/job:localhost/replica:0/task:0/device:CPU:0`). `"/cpu:1"`, `"/device:CPU:1"` and
+  (`/job:localhost/replica:0/task:0/device:CPU:0`; in a process that is a task of a
+  `MultiWorkerMirroredStrategy` cluster, that task, as TensorFlow places them). `"/cpu:1"`, `"/device:CPU:1"` and
   `"/job:localhost/replica:0/task:0/device:CPU:1"` all give the last of these.
 
   Example:
@@ -51,7 +64,7 @@ def canonicalize(device: str | tf.DeviceSpec | tf.config.LogicalDevice,
   else:
     raise ValueError(f"Expected a device string such as '/gpu:0'. Received: "
                      f"device={device!r} of type {type(device).__name__}")
-  base = _LOCAL_DEFAULTS
+  base = _process_defaults
   if default:
     base = base.make_merged_spec(tf.DeviceSpec.from_string(default))
   merged = base.make_merged_spec(spec)

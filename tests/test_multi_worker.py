@@ -389,6 +389,21 @@ def _ragged_eager_fn(strategy):
   return {"emb": emb.numpy().tolist(), "gathered": np.concatenate(gathered).tolist()}
 
 
+def _device_strings_fn(strategy):
+  """Device strings without a job ("/cpu:1") name this worker's devices, as TensorFlow
+  places them: as destinations, in `get()` and in `canonicalize_device`."""
+  with strategy.scope():
+    per_tower = strategy.call_for_each_tower(
+        lambda: tf.fill([2], float(ds.get_tower_context().tower_id)))
+    total = strategy.reduce("sum", per_tower, destinations="/cpu:1")
+    copies = strategy.broadcast(tf.constant([5.0]), destinations=["/cpu:0", "/cpu:1"])
+    return {"canonical": ds.canonicalize_device("/cpu:1") == strategy.worker_devices[1],
+            "total": [(d == strategy.worker_devices[1], c.numpy().tolist())
+                      for d, c in zip(total.devices, strategy.unwrap(total), strict=True)],
+            "copies": [c.numpy().tolist() for c in strategy.unwrap(copies)],
+            "own": per_tower.get("/cpu:1").numpy().tolist()}
+
+
 def _touch(path):
   with open(path, "w"):
     pass
@@ -690,6 +705,20 @@ def test_eager_sparse_steps_and_gathers_over_a_ragged_last_batch():
   for result in results:
     np.testing.assert_allclose(result["emb"], emb.numpy(), rtol=1e-5, atol=1e-6)
     assert result["gathered"] == y.tolist()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_device_strings_without_a_job_name_the_workers_devices():
+  """"/cpu:1" was read as /job:localhost/...: destinations raised ValueError ("which
+  TensorFlow does not have"), get() found no value."""
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, result_timeout=TIMEOUT) as c:
+    results = c.run_on_workers(_device_strings_fn)
+  for task, result in enumerate(results):
+    assert result["canonical"]
+    assert result["total"] == [(True, [6.0, 6.0])]  # Towers 0 + 1 + 2 + 3.
+    assert result["copies"] == [[5.0], [5.0]]
+    assert result["own"] == [2.0 * task + 1] * 2  # This worker's second tower.
 
 
 def test_one_worker_multi_worker_gather_equals_mirrored():

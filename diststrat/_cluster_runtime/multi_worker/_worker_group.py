@@ -70,6 +70,8 @@ class WorkerGroup:
           "cluster, which TensorFlow allows only at start-up. Create the strategy first, "
           f"at the top of the program. TensorFlow said: {e}") from e
     _exposure.server_started(self.local_task, cluster_spec[task_type][task_id])
+    # "/cpu:0" now names this task's device, in TensorFlow's placement and in diststrat's.
+    _devices.set_process_task(self.local_task)
     peers = [t for t in self.tasks if t != self.local_task]
     self.watchdog = _collective_watchdog.CollectiveWatchdog(
         peers, collective_timeout, _tf_internal.check_peer_health, name)
