@@ -404,6 +404,16 @@ def _device_strings_fn(strategy):
             "own": per_tower.get("/cpu:1").numpy().tolist()}
 
 
+def _mismatched_variable_fn(strategy):
+  """Worker 1 creates its variable with another shape (one read from its own data)."""
+  try:
+    with strategy.scope():
+      tf.Variable(tf.ones([3 + strategy.task_id]), name="vocabulary_counts")
+  except Exception as e:  # pylint: disable=broad-except
+    return (type(e).__name__, str(e))
+  return None
+
+
 def _touch(path):
   with open(path, "w"):
     pass
@@ -719,6 +729,23 @@ def test_device_strings_without_a_job_name_the_workers_devices():
     assert result["total"] == [(True, [6.0, 6.0])]  # Towers 0 + 1 + 2 + 3.
     assert result["copies"] == [[5.0], [5.0]]
     assert result["own"] == [2.0 * task + 1] * 2  # This worker's second tower.
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_a_variable_of_another_shape_in_one_worker_is_named():
+  """The collective that gives a variable the chief's initial value failed with
+  TensorFlow's InvalidArgumentError about "collective instance 100000000"."""
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=1, result_timeout=TIMEOUT,
+                    strategy_kwargs={"collective_timeout": COLLECTIVE_TIMEOUT}) as c:
+    results = c.run_on_workers(_mismatched_variable_fn)
+  assert all(r is not None for r in results), results  # Neither worker went on.
+  named = [message for kind, message in results if kind == "ValueError"]
+  assert named, results
+  for message in named:
+    assert "Variable 'vocabulary_counts" in message, message
+    assert "with the same shapes and dtypes, in the same order" in message, message
+    assert "expected shape" in message, message
 
 
 def test_one_worker_multi_worker_gather_equals_mirrored():

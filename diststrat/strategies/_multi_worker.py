@@ -135,7 +135,21 @@ class MultiWorkerMirroredStrategy(_cluster_spec.ClusterTaskMixin, _mirrored.Mirr
             "tf.function, or pass initial_value as a callable or a constant.")
       with tf.device(self._devices[0]):
         value = _arguments.initial_value_tensor(kwargs)
-      kwargs["initial_value"] = self._cross_tower_ops.broadcast_from_chief(value)
+      try:
+        kwargs["initial_value"] = self._cross_tower_ops.broadcast_from_chief(value)
+      except (tf.errors.InvalidArgumentError, tf.errors.InternalError) as e:
+        # TensorFlow's words for it: "expected shape [4] but another member in the group
+        # expected shape [3]", "expected type 0 and data_type 1 but got ... data_type 2".
+        said = next((line.strip() for line in e.message.splitlines() if "expected" in line),
+                    e.message.strip().splitlines()[0] if e.message.strip() else "")
+        raise ValueError(
+            f"Variable {kwargs.get('name')!r} (shape {value.shape}, dtype "
+            f"{value.dtype.name}) could not take the chief's initial value: the collective "
+            "that sends it failed, as it does when the workers create variables of "
+            "different shapes or dtypes, or in a different order. Every worker must create "
+            "the same variables, with the same shapes and dtypes, in the same order (a "
+            "shape read from each worker's own data differs). Then restart every worker "
+            f"process. TensorFlow said: {said}") from e
       kwargs.pop("dtype", None)
       return super()._create_distributed_variable(next_creator, kwargs, colocate_with)
 
