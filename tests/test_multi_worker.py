@@ -414,6 +414,26 @@ def _mismatched_variable_fn(strategy):
   return None
 
 
+def _chief_saves_in_scope_fn(strategy, checkpoint_dir):
+  """The chief alone saves, inside strategy.scope(): the checkpoint's save counter is
+  made then, in the chief only."""
+  with strategy.scope():
+    w = tf.Variable([1.0, 2.0], name="w")
+    checkpoint = tf.train.Checkpoint(w=w)
+    totals = []
+    for step in range(2):
+      w.assign_add([1.0, 1.0])
+      if strategy.is_chief:
+        checkpoint.save(os.path.join(checkpoint_dir, "ckpt"))
+      totals.append(float(strategy.reduce("mean", strategy.call_for_each_tower(
+          lambda s=step: tf.constant(float(s)) + tf.cast(
+              ds.get_tower_context().tower_id, tf.float32))).primary))
+    w.assign([0.0, 0.0])
+    checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir))  # In every worker.
+    return {"totals": totals, "w": w.numpy().tolist(),
+            "saves": int(checkpoint.save_counter.numpy())}
+
+
 def _touch(path):
   with open(path, "w"):
     pass
@@ -746,6 +766,20 @@ def test_a_variable_of_another_shape_in_one_worker_is_named():
     assert "Variable 'vocabulary_counts" in message, message
     assert "with the same shapes and dtypes, in the same order" in message, message
     assert "expected shape" in message, message
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_the_chief_alone_saves_a_checkpoint_inside_the_scope(tmp_path):
+  """The save counter took the chief's value by a collective that only the chief made:
+  it met the other worker's next reduction, and both failed (or, of one dtype and
+  shape, would have mixed their values)."""
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=1, result_timeout=TIMEOUT,
+                    strategy_kwargs={"collective_timeout": COLLECTIVE_TIMEOUT}) as c:
+    results = c.run_on_workers(_chief_saves_in_scope_fn, checkpoint_dir=str(tmp_path))
+  assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-2")
+  for result in results:  # Towers 0 and 1 (one per worker): mean of s + 0 and s + 1.
+    assert result == {"totals": [0.5, 1.5], "w": [3.0, 4.0], "saves": 2}, result
 
 
 def test_one_worker_multi_worker_gather_equals_mirrored():

@@ -784,6 +784,20 @@ def test_tf_distribution_mode():
   assert not tf.distribute.has_strategy(), _broke("tf_distribution_mode", "entry left behind")
 
 
+def test_creating_checkpoint_save_counter(tmp_path):
+  seen = []
+
+  def creator(next_creator, **kwargs):
+    seen.append((kwargs.get("name"), _tf_internal.creating_checkpoint_save_counter()))
+    return next_creator(**kwargs)
+
+  with tf.variable_creator_scope(creator):
+    checkpoint = tf.train.Checkpoint(v=tf.Variable(1.0, name="save_counter"))
+    checkpoint.save(str(tmp_path / "ckpt"))
+  assert seen == [("save_counter", False), ("save_counter", True)], _broke(
+      "creating_checkpoint_save_counter", f"creations seen: {seen}")
+
+
 def test_keras_variable_origin():
   origins = []
 

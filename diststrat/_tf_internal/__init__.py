@@ -13,7 +13,7 @@ the job, in the module of its kind:
 | `_collectives` | collective ops; setting up collectives across processes; a peer's health; aborting them |
 | `_functions` | calling a traced function with a flat list of tensors; a `tf.function`'s XLA flag, and a copy of its options around another function |
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running; its wait for pending eager work |
-| `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it; a sliced assignment; whether a SavedModel is tracing; how a SavedModel describes wrapped values |
+| `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it; whether a checkpoint creates its save counter; a sliced assignment; whether a SavedModel is tracing; how a SavedModel describes wrapped values |
 | `_tapes` | recording on gradient tapes |
 | `_keras` | Keras 3 variables, optimizers, per-output loss trackers, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable |
 | `_distribute_stack` | TensorFlow's per-thread distribution-mode stack (`tf.distribute.get_strategy()`) |
@@ -95,6 +95,7 @@ from diststrat._tf_internal._variables import RESOURCE_METHODS as RESOURCE_METHO
 from diststrat._tf_internal._variables import ResourceVariableFromHandle as ResourceVariableFromHandle
 from diststrat._tf_internal._variables import base_resource_method as base_resource_method
 from diststrat._tf_internal._variables import copy_trackable_to_cpu as copy_trackable_to_cpu
+from diststrat._tf_internal._variables import creating_checkpoint_save_counter as creating_checkpoint_save_counter
 from diststrat._tf_internal._variables import deferred_checkpoint_value as deferred_checkpoint_value
 from diststrat._tf_internal._variables import serialize_to_tensors as serialize_to_tensors
 from diststrat._tf_internal._variables import dense_var_to_tensor as dense_var_to_tensor
@@ -136,6 +137,7 @@ __all__ = [
     "distributed_container", "deferred_checkpoint_value", "serialize_to_tensors",
     "strided_slice_assign", "in_saved_model_trace", "saved_model_trace_options", "saved_model_trace",
     "install_saved_model_device_rule", "save_as_tuple_of_components",
+    "creating_checkpoint_save_counter",
     # tapes
     "record_backward", "stop_recording", "should_record", "variable_accessed",
     "record_variable_read",

@@ -16,6 +16,9 @@
   (`set_distributed_container`, `distributed_container`).
 - A sliced assignment (`v[1:3].assign(x)`) calls the variable's `_strided_slice_assign`;
   a distributed variable does it on its components (`strided_slice_assign`).
+- A `tf.train.Checkpoint` creates its `save_counter` when it first saves, which under
+  `MultiWorkerMirroredStrategy` may happen in the chief alone; nothing it passes says
+  so (`creating_checkpoint_save_counter`).
 - `tf.saved_model.save` traces the functions it saves again, in its save context (the
   function cache keys on it); a distributed variable is saved as one variable, so what
   such a trace reads and writes is its primary copy (`in_saved_model_trace`); tower
@@ -24,7 +27,9 @@
 """
 
 import functools
+import sys
 
+from tensorflow.python.checkpoint import checkpoint as _checkpoint  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.checkpoint import tensor_callable as _tensor_callable  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import ops as _ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
@@ -140,6 +145,31 @@ def deferred_checkpoint_value(read, dtype, device):
   files of each task's values are written by that task.
   """
   return _tensor_callable.Callable(read, dtype=dtype, device=device)
+
+
+_SAVE_COUNTER_FRAMES_SEARCHED = 30
+
+
+def creating_checkpoint_save_counter():
+  """Whether the variable being created now is a `tf.train.Checkpoint`'s `save_counter`
+  (created, as 0, at its first `save`, `write` of a `CheckpointManager` or `restore`).
+
+  Call it from a variable creator. TensorFlow passes nothing that says so (its name,
+  "save_counter", is any variable's to take), so the calling frames are searched for
+  `Checkpoint._maybe_create_save_counter`.
+  """
+  code = getattr(getattr(_checkpoint.Checkpoint, "_maybe_create_save_counter", None),
+                 "__code__", None)
+  if code is None:
+    return False
+  frame = sys._getframe(1)
+  for _ in range(_SAVE_COUNTER_FRAMES_SEARCHED):
+    if frame is None:
+      return False
+    if frame.f_code is code:
+      return True
+    frame = frame.f_back
+  return False
 
 
 def write_object_proto(variable, proto, options):

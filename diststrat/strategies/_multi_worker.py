@@ -5,6 +5,7 @@ from typing import Any, Optional, Sequence
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
+from diststrat import _tf_internal
 from diststrat._cluster_runtime import _cluster_spec
 from diststrat._cluster_runtime.multi_worker import _worker_group
 from diststrat.cross_tower_ops import _cross_worker
@@ -135,6 +136,12 @@ class MultiWorkerMirroredStrategy(_cluster_spec.ClusterTaskMixin, _mirrored.Mirr
             "tf.function, or pass initial_value as a callable or a constant.")
       with tf.device(self._devices[0]):
         value = _arguments.initial_value_tensor(kwargs)
+      if _tf_internal.creating_checkpoint_save_counter():
+        # 0 in every worker, and made where the chief alone may be saving (the chief
+        # writes checkpoints): no collective, or it would meet the others' next one.
+        kwargs["initial_value"] = value
+        kwargs.pop("dtype", None)
+        return super()._create_distributed_variable(next_creator, kwargs, colocate_with)
       try:
         kwargs["initial_value"] = self._cross_tower_ops.broadcast_from_chief(value)
       except (tf.errors.InvalidArgumentError, tf.errors.InternalError) as e:
