@@ -9,6 +9,7 @@ cpus_per_worker).
 
 import json
 import os
+import pickle
 import signal
 import threading
 import time
@@ -780,6 +781,27 @@ def test_the_chief_alone_saves_a_checkpoint_inside_the_scope(tmp_path):
   assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-2")
   for result in results:  # Towers 0 and 1 (one per worker): mean of s + 0 and s + 1.
     assert result == {"totals": [0.5, 1.5], "w": [3.0, 4.0], "saves": 2}, result
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_cross_worker_ops_in_strategy_kwargs_reach_the_workers():
+  """CrossWorkerAllReduce could not be pickled (its lock), so LocalCluster could not
+  give it to the workers' strategies. Here: the flat scheme in packs, eager steps and
+  gathers over a ragged last batch."""
+  ops = ds.cross_tower_ops.CrossWorkerAllReduce("flat", num_packs=2, timeout=30.0)
+  assert repr(pickle.loads(pickle.dumps(ops))) == repr(ops)
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, result_timeout=TIMEOUT,
+                    strategy_kwargs={"cross_worker_ops": ops}) as c:
+    results = c.run_on_workers(_ragged_eager_fn)
+  ids, y = _ragged_eager_data()
+  emb, opt = tf.Variable(np.ones((VOCAB, 1), np.float32)), ds.optimizers.GradientDescent(0.1)
+  for start in range(0, 22, 8):
+    opt.minimize(lambda s=start: tf.reduce_mean(tf.square(
+        tf.gather(emb, ids[s:s + 8]) - y[s:s + 8])), var_list=[emb])
+  for result in results:
+    np.testing.assert_allclose(result["emb"], emb.numpy(), rtol=1e-5, atol=1e-6)
+    assert result["gathered"] == y.tolist()
 
 
 def test_one_worker_multi_worker_gather_equals_mirrored():

@@ -106,6 +106,14 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     return (f"CrossWorkerAllReduce(scheme={self._scheme!r}, num_packs={self._num_packs}"
             f"{buckets})")
 
+  def __reduce__(self):
+    # An unbound one travels by its settings (to LocalCluster's worker processes, in
+    # strategy_kwargs); its lock and caches are made anew where it is unpickled.
+    if self._cluster is not None:
+      raise TypeError(f"{self!r} is bound to a strategy's cluster and cannot be pickled. "
+                      "Pickle an unbound one (each worker's strategy binds its own).")
+    return (type(self), (self._scheme, self._num_packs, self._timeout, self._bucket_bytes))
+
   def bind(self, local_devices: Sequence[str], all_devices: Sequence[str],
            worker_index: int, num_workers: int) -> "CrossWorkerAllReduce":
     """Binds this to a cluster. Called by the strategy; every worker binds the same way.
