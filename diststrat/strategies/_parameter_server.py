@@ -433,7 +433,10 @@ class ParameterServerStrategy(_cluster_spec.ClusterTaskMixin, DistributionStrate
     return self._guarded("broadcast()", super()._broadcast, tensor, destinations)
 
   def _update(self, var, fn, args, kwargs):
-    return self._guarded(f"update() of {var.name}", super()._update, var, fn, args, kwargs)
+    result = self._guarded(f"update() of {var.name}", super()._update, var, fn, args, kwargs)
+    if tf.executing_eagerly():
+      self._backend.wrote_eagerly(var)
+    return result
 
   def _update_non_slot(self, colocate_with, fn, args, kwargs):
     return self._guarded("update_non_slot()", super()._update_non_slot, colocate_with, fn,

@@ -25,6 +25,7 @@ from diststrat._cluster_runtime import _cluster_spec
 from diststrat._cluster_runtime import _host_threads
 from diststrat._cluster_runtime.parameter_server import _connection
 from diststrat._cluster_runtime.parameter_server import _read_cache
+from diststrat._cluster_runtime.parameter_server import _shared_variables
 
 
 class LocalBackend:
@@ -71,6 +72,10 @@ class LocalBackend:
 
   def read_var(self, v):
     return tf.identity(v)
+
+  def wrote_eagerly(self, variable) -> None:
+    """`update()` ran ops on `variable`'s handle eagerly: in-process, they are done."""
+    del variable
 
   def step_timeout(self) -> Optional[float]:
     return None
@@ -162,6 +167,12 @@ class ClusterBackend:
 
   def new_read_cache(self, max_bytes):
     return _read_cache.ReadCache(f"{self.connection.local_task}/device:CPU:0", max_bytes)
+
+  def wrote_eagerly(self, variable) -> None:
+    """`update()` ran ops on `variable`'s handle eagerly (an optimizer's fused update):
+    TensorFlow sent them to the PS task without waiting, so the next read of it in a
+    tower must not overtake them (a read by function call can, under load)."""
+    _shared_variables.note_unacknowledged_write(variable)
 
   def read_var(self, v):
     if tf.executing_eagerly() and not self.connection.guard.inside():

@@ -385,6 +385,14 @@ def _bounded_read(variable, method):
 _ACKNOWLEDGED_WRITES = frozenset([*_ASSIGN_OPS, *_SCATTER_OPS, *_SCATTER_ND_OPS])
 
 
+def note_unacknowledged_write(variable):
+  """Records that this process sent an eager write of `variable` without waiting for it
+  (an op on its handle, such as an optimizer's fused update): its next read in a tower
+  is then an eager op, which does not overtake the write (see `_function_read`)."""
+  if isinstance(variable, SharedVariable):
+    variable._unacknowledged_write = True
+
+
 def _function_read(variable):
   """Eagerly, in a tower of a guarded call: the variable's value, read by a function call.
 
