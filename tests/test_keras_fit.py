@@ -559,3 +559,42 @@ def test_stateful_recurrent_layers_on_several_towers_say_what_to_do():
     with pytest.raises(ValueError, match=r"stateful recurrent layers \['gru'\].*2 towers"
                                          r".*stateful=False.*one device"):
       run()
+
+
+class _ExampleCounter(keras.layers.Layer):
+  """Counts the examples it sees in training, in a variable summed across towers."""
+
+  def build(self, input_shape):
+    self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                aggregation="sum", dtype=self.counter_dtype, name="seen")
+    self.taken = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                 aggregation="sum", dtype=self.counter_dtype, name="taken")
+
+  def call(self, x, training=None):
+    if training:
+      rows = tf.cast(tf.shape(x)[0], self.counter_dtype)
+      self.seen.assign_add(rows)
+      self.taken.assign_sub(2 * rows)
+    return x
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+@pytest.mark.parametrize("name", ["mirrored4", "ps4"])
+def test_a_keras_assign_add_to_a_sum_variable_adds_every_towers_delta(name, dtype):
+  # Keras writes assign_add(d) as assign(v + d): summed over the towers, that added N
+  # copies of the old value each step (a count of the examples grew geometrically).
+  x, y = _data(42)
+
+  def counts(strategy):
+    with strategy.scope():
+      counter = _ExampleCounter()
+      counter.counter_dtype = dtype
+      model = keras.Sequential([keras.Input((FEATURES,)), counter, keras.layers.Dense(1)])
+      model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)  # 6 steps an epoch, the last of 2.
+    assert_copies_equal([counter.seen, counter.taken])
+    return [counter.seen.numpy(), counter.taken.numpy()]
+
+  expected = counts(ds.DefaultStrategy())
+  assert expected == [84, -168]
+  np.testing.assert_array_equal(counts(STRATEGIES[name]()), expected)

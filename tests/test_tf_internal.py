@@ -1456,3 +1456,22 @@ def test_called_by_keras_loss():
   assert seen and all(seen), _broke(
       "called_by_keras_loss", f"Keras {keras.__version__}: a Keras loss does not read "
       f"num_replicas_in_sync from Keras's loss module ({seen!r})")
+
+
+
+def test_keras_assign_increment(monkeypatch):
+  v = keras.Variable(np.float32(1.0))
+  backing = _tf_internal.keras_backing_variable(v)
+  increments = []
+
+  def assign(value, *args, **kwargs):  # Called by Keras for every write of `v`.
+    increments.append(_tf_internal.keras_assign_increment(backing))
+    return type(backing).assign(backing, value, *args, **kwargs)
+
+  monkeypatch.setattr(backing, "assign", assign)
+  v.assign_add(np.float32(2.0))
+  v.assign_sub(np.float32(3.0))
+  v.assign(np.float32(5.0))
+  got = [None if i is None else (i[0], float(i[1])) for i in increments]
+  assert got == [("assign_add", 2.0), ("assign_sub", 3.0), None] and float(v.numpy()) == 5.0, \
+      _broke("keras_assign_increment", f"Keras {keras.__version__}: {got}")

@@ -9,6 +9,9 @@ values); for Keras's state the combination is known:
 - every Keras-made variable: tower writes are merged (`merges_tower_writes`), a float
   as the mean of the towers' values weighted by each tower's share of the batch (batch
   normalization's moving mean then equals one device's), an integer as tower 0's;
+- a Keras `assign_add(delta)` (or `assign_sub`) of a variable with aggregation SUM,
+  which Keras writes as `assign(self + delta)`, sums the towers' deltas
+  (`tower_write`), not their new values;
 - a seed's state: tower i > 0 reads it with i hashed in, so each tower draws its own
   random stream (dropout masks differ across towers, not one mask repeated).
 
@@ -27,6 +30,17 @@ class KerasStateRules(_variables.VariableRules):
   variables."""
 
   merges_tower_writes = True
+
+  def tower_write(self, variable, method, value):
+    # Keras writes `assign_add(delta)` as `assign(self + delta)`. Summed over the
+    # towers, N copies of the old value would be added to the towers' deltas; a SUM
+    # variable adds the towers' deltas, as on one device. (For MEAN and
+    # ONLY_FIRST_REPLICA, the new values combine as the deltas would.)
+    if method == "assign" and variable.aggregation == tf.VariableAggregation.SUM:
+      increment = _tf_internal.keras_assign_increment(variable)
+      if increment is not None:
+        return increment
+    return method, value
 
 
 class KerasSeedRules(KerasStateRules):

@@ -15,7 +15,7 @@ the job, in the module of its kind:
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running; its wait for pending eager work |
 | `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it; whether a checkpoint creates its save counter; a sliced assignment; whether a SavedModel is tracing; how a SavedModel describes wrapped values |
 | `_tapes` | recording on gradient tapes |
-| `_keras` | Keras 3 variables, optimizers, per-output loss trackers, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable |
+| `_keras` | Keras 3 variables, optimizers, per-output loss trackers, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable, and the delta of a Keras `assign_add` |
 | `_distribute_stack` | TensorFlow's per-thread distribution-mode stack (`tf.distribute.get_strategy()`) |
 | `_autograph` | letting diststrat's errors through AutoGraph; removing its generated files before `os._exit` |
 
@@ -73,6 +73,7 @@ from diststrat._tf_internal._keras import keras_optimizer_being_created as keras
 from diststrat._tf_internal._keras import keras_loss_tracker as keras_loss_tracker
 from diststrat._tf_internal._keras import keras_output_loss_trackers as keras_output_loss_trackers
 from diststrat._tf_internal._keras import keras_variable_origin as keras_variable_origin
+from diststrat._tf_internal._keras import keras_assign_increment as keras_assign_increment
 from diststrat._tf_internal._keras import restore_keras_backup_dir as restore_keras_backup_dir
 from diststrat._tf_internal._keras import set_keras_backup_dir as set_keras_backup_dir
 from diststrat._tf_internal._keras import wrap_keras_symbolic_build as wrap_keras_symbolic_build
@@ -149,7 +150,7 @@ __all__ = [
     "keras_optimizer_being_created",
     "keras_output_loss_trackers",
     "keras_loss_tracker",
-    "keras_variable_origin", "keras_fit_callbacks", "set_keras_backup_dir",
+    "keras_variable_origin", "keras_assign_increment", "keras_fit_callbacks", "set_keras_backup_dir",
     "restore_keras_backup_dir", "keras_epoch_iterator_dataset", "wrap_keras_symbolic_build",
     # the distribution-mode stack
     "tf_distribution_mode",

@@ -16,6 +16,8 @@
 - Which Keras code is creating a variable (layer state, a random seed's state) is told
   by no argument of the variable creator; the creating frames say it
   (`keras_variable_origin`).
+- Keras 3 writes a variable's `assign_add(delta)` as `assign(self + delta)`; the calling
+  frames tell the delta (`keras_assign_increment`).
 
 Keras's modules are looked up among those already imported (a Keras variable being
 created means Keras is loaded), never imported here.
@@ -288,6 +290,39 @@ def _keras_code(module_name, path):
   for name in path:
     obj = getattr(obj, name, None)
   return getattr(obj, "__code__", None)
+
+
+_KERAS_COMMON_VARIABLE_MODULE = "keras.src.backend.common.variables"
+_ASSIGN_FRAMES_SEARCHED = 16
+
+
+def keras_assign_increment(variable):
+  """`("assign_add", delta)` or `("assign_sub", delta)` when the write to `variable` (a
+  `tf.Variable` a Keras 3 variable holds) running in this thread is that Keras variable's
+  `assign_add(delta)` or `assign_sub(delta)`; None for any other write.
+
+  Keras 3 writes `assign_add(delta)` as `assign(self + delta)`, so the TensorFlow
+  variable is handed the new value, never the delta. Call it from the variable's
+  `assign`: the calling frames are searched for Keras's `Variable.assign` of the Keras
+  variable holding `variable`, and the frame that called it says whether it was
+  `assign_add` or `assign_sub`, and with which delta (its `value`).
+  """
+  keras_variable = getattr(sys.modules.get(_KERAS_COMMON_VARIABLE_MODULE), "Variable", None)
+  if keras_variable is None:
+    return None
+  assign = getattr(keras_variable.assign, "__code__", None)
+  increments = {getattr(keras_variable.assign_add, "__code__", None): "assign_add",
+                getattr(keras_variable.assign_sub, "__code__", None): "assign_sub"}
+  for frame in _frames_above(1, _ASSIGN_FRAMES_SEARCHED):
+    if frame.f_code is not assign:
+      continue
+    owner = frame.f_locals.get("self")
+    caller = frame.f_back
+    if (keras_backing_variable(owner) is not variable or caller is None
+        or caller.f_code not in increments or caller.f_locals.get("self") is not owner):
+      return None
+    return increments[caller.f_code], caller.f_locals.get("value")
+  return None
 
 
 def keras_variable_origin():

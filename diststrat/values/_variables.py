@@ -118,6 +118,13 @@ class VariableRules:
     """The value a tower reads (called in a tower context, with the component's value)."""
     return value
 
+  def tower_write(self, variable, method, value):
+    """The write `(method, value)` that a tower's dense write to the mirrored `variable`
+    (with an aggregation, not NONE) stands for, combined across the towers by that
+    aggregation: by default the write as it is."""
+    del variable
+    return method, value
+
 
 _NO_RULES = VariableRules()
 _rules_finders: list[Callable[[], Optional[VariableRules]]] = []
@@ -606,6 +613,7 @@ class MirroredVariable(DistributedVariable):
           "(strategy.update() or merge_call). If a library created it (a "
           "tf.train.Checkpoint's save_counter, when a tower saves), call that library "
           "in cross-tower context: outside call_for_each_tower, or in merge_call.")
+    method, value = self._rules.tower_write(self, method, value)
     return self._write_by_aggregation(method, value, read_value)
 
   def _write_sparse(self, method, data, write):
