@@ -221,6 +221,34 @@ def test_keras_optimizer_on_a_ragged_batch_matches_one_device():
 # --- diststrat's own optimizers: ragged batches, what apply_gradients returns -------------
 
 
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["mirrored4", "ps4"])
+def test_a_keras_optimizer_created_outside_the_scope_is_refused_in_towers(name, mode,
+                                                                          optimizer_name):
+  # SGD applied once per tower: the weights were one device's, but `iterations` (a
+  # learning-rate schedule, Adam's bias correction) counted every tower's apply.
+  # Adam failed in TensorFlow's "Mixing" error, with a note about tf.distribute.
+  strategy = STRATEGIES[name]()
+  x, y = _regression_data()
+  optimizer = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}[optimizer_name](0.1)
+  with strategy.scope():
+    model = _small_model()
+
+  def tower_fn(xb, yb):
+    with tf.GradientTape() as tape:
+      loss = keras.losses.MeanSquaredError()(yb, model(xb, training=True))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                  model.trainable_variables, strict=True))
+
+  with pytest.raises((ds.errors.ContextError, RuntimeError)) as raised:
+    _run_steps(strategy, tower_fn, mode, (x, y), 32)
+  said = " ".join([str(raised.value)] + getattr(raised.value, "__notes__", []))
+  assert "reate the optimizer inside `with strategy.scope():`" in said, said
+  assert "tf.distribute strategy's scope outside" not in said, said
+  assert int(optimizer.iterations.numpy()) == 0
+
+
 def _ds_custom_loop(strategy, mode, batch, global_step=False):
   x, y = _regression_data(batch, seed=1)
   with strategy.scope():

@@ -125,6 +125,7 @@ class ReplicaContextAdapter:
     return (self._tower.device,)
 
   def merge_call(self, merge_fn, args=(), kwargs=None):
+    _model_checks.check_optimizer_merging(self._adapter, merge_fn)
     return self._merged(_MergeFn(merge_fn, self._adapter), *args, **(kwargs or {}))
 
   def _merged(self, merge_fn, *args, **kwargs):

@@ -49,6 +49,9 @@ def tf_mode(strategy, tower_context):
 
 _MIXING = "Mixing different tf.distribute.Strategy objects"  # TensorFlow's error text.
 _MIXING_NOTE = "diststrat: a tf.distribute strategy was used inside the scope of "
+# How TensorFlow's error names its default strategy (the class of the strategy that
+# `tf.distribute.get_strategy()` returns outside any scope).
+_TF_DEFAULT_STRATEGY = "DefaultDistributionStrategy object"
 
 
 @contextlib.contextmanager
@@ -62,10 +65,18 @@ def _explain_mixing(mode, strategy):
     except RuntimeError as e:
       if _MIXING in str(e) and not any(
           _MIXING_NOTE in note for note in getattr(e, "__notes__", ())):
-        errors.add_note(e, (
-            f"{_MIXING_NOTE}diststrat's {strategy!r}, where tf.distribute.get_strategy() "
-            "is diststrat's adapter: the two libraries' strategies do not mix. Enter the "
-            "tf.distribute strategy's scope outside any diststrat scope (and build its "
-            "models there), or use only diststrat's strategies. See docs/keras.md."))
+        if _TF_DEFAULT_STRATEGY in str(e):
+          errors.add_note(e, (
+              f"{_MIXING_NOTE}diststrat's {strategy!r}: TensorFlow's default strategy, "
+              "kept by an object created outside any strategy's scope, such as a Keras "
+              "optimizer (it keeps the strategy it was created under, and makes its "
+              "slots under it). Create the optimizer inside `with strategy.scope():`. "
+              "See docs/keras.md."))
+        else:
+          errors.add_note(e, (
+              f"{_MIXING_NOTE}diststrat's {strategy!r}, where tf.distribute.get_strategy() "
+              "is diststrat's adapter: the two libraries' strategies do not mix. Enter the "
+              "tf.distribute strategy's scope outside any diststrat scope (and build its "
+              "models there), or use only diststrat's strategies. See docs/keras.md."))
       raise
 

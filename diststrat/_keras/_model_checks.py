@@ -146,6 +146,24 @@ def check_model(adapter, model):
     _checked_models[model] = adapter
 
 
+def check_optimizer_merging(adapter, merge_fn):
+  """Refuses a Keras optimizer created outside `adapter`'s strategy scope applying its
+  update in one of that strategy's towers (`merge_fn` is its method). Such an optimizer
+  is not routed: each tower applied it on its own, so its `iterations` (and with it a
+  learning-rate schedule and Adam's bias correction) went up once per tower each step;
+  one with slots failed with TensorFlow's "Mixing different tf.distribute.Strategy
+  objects"."""
+  optimizer = getattr(merge_fn, "__self__", None)
+  captured = _tf_internal.keras_optimizer_strategy(optimizer)
+  if captured is None or captured is adapter:
+    return
+  raise errors.ContextError(
+      f"A Keras optimizer ({type(optimizer).__name__}) created outside the scope of "
+      f"{adapter.diststrat_strategy!r} is applied in one of its towers. It would apply "
+      "once per tower: create the optimizer inside `with strategy.scope():`, where its "
+      "apply_gradients sums the towers' gradients and applies once per step.")
+
+
 def check_stateful_layers(strategy, model):
   """Refuses a Keras model with stateful recurrent layers (`stateful=True`) where each
   batch is split across several towers: the layer keeps one state per example of the
