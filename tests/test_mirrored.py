@@ -619,6 +619,34 @@ def test_tower_i_runs_in_the_same_pooled_thread_on_every_call(no_thread_leak):
   assert left in first and left not in after and len(set(after) - set(first)) == 1
 
 
+def test_a_tower_thread_that_cannot_start_keeps_the_idle_ones_in_the_pool(monkeypatch):
+  fn = lambda: ds.get_tower_context().tower_id
+  s = strategy(4)
+  expected = s.call_for_each_tower(fn).values  # With the process's pool.
+  pool = _tower_threads._Pool()  # Empty, so the 4-tower call must start threads.
+  monkeypatch.setattr(_tower_threads, "_pool", pool)
+  strategy(2).call_for_each_tower(fn)
+  idle = set(_tower_threads.idle_tower_threads())
+  start = threading.Thread.start
+
+  def refuse(thread):
+    if thread.name.startswith("diststrat-tower"):
+      raise RuntimeError("can't start new thread")
+    start(thread)
+
+  with monkeypatch.context() as patch:
+    patch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="could not start a tower thread .*limit on threads"):
+      s.call_for_each_tower(fn)
+  # The two idle threads were not lost with the call: the next call reuses them.
+  assert set(_tower_threads.idle_tower_threads()) == idle
+  assert s.call_for_each_tower(fn).values == expected
+  assert idle <= set(_tower_threads.idle_tower_threads())
+  for worker in pool.take(4):  # This test's pool ends with it.
+    worker.give(lambda: False, "retired")
+    worker.thread.join(10)
+
+
 def test_op_callbacks_reach_eager_towers_as_on_one_device():
   def fn():
     return tf.math.log(tf.constant(-1.0))

@@ -119,9 +119,18 @@ class _Pool:
     with self._lock:
       self._idle.sort(key=lambda w: w.number)
       taken, self._idle = self._idle[:count], self._idle[count:]
-      while len(taken) < count:
-        taken.append(_Worker(self._started))
-        self._started += 1
+      try:
+        while len(taken) < count:
+          taken.append(_Worker(self._started))
+          self._started += 1
+      except RuntimeError as e:  # Threading's "can't start new thread" (a thread limit).
+        self._idle.extend(taken)  # Still idle and reusable: the call never gave them work.
+        raise RuntimeError(
+            f"diststrat could not start a tower thread ({len(taken)} of the {count} "
+            f"needed were available; the process runs {threading.active_count()} "
+            f"threads): {e}. The system's limit on threads (ulimit -u, or a container's "
+            "pids limit) is reached; raise it, or end threads the program no longer "
+            "needs.") from e
       return taken
 
   def put_back(self, worker):
