@@ -3,7 +3,9 @@
 Every result is compared against numpy or a single-device computation.
 """
 
+import ast
 import gc
+import os
 import threading
 
 import numpy as np
@@ -558,6 +560,37 @@ def test_tower_timeout_is_bounded():
   for thread in _tower_threads.abandoned_tower_threads():  # The blocked tower, released.
     thread.join(10)
   assert not _tower_threads.abandoned_tower_threads()
+
+
+@pytest.mark.processes
+def test_a_forked_child_lists_no_abandoned_tower_threads_of_its_parent():
+  s = ds.MirroredStrategy(CPUS[:2], tower_timeout=0.2)
+  release = threading.Event()
+
+  def fn():
+    if ds.get_tower_context().tower_id == 1:
+      release.wait(10)
+
+  with pytest.raises(ds.errors.TowerTimeoutError):
+    s.call_for_each_tower(fn)
+  try:
+    assert _tower_threads.abandoned_tower_threads()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # The child: only the forking thread runs here.
+      listed = _tower_threads.abandoned_tower_threads()
+      os.write(write, repr(([t.name for t in listed],
+                            [t.name for t in listed if t.is_alive()])).encode())
+      os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+      listed, alive = ast.literal_eval(f.read())
+    os.waitpid(pid, 0)
+    assert listed == alive == []
+  finally:
+    release.set()
+    for thread in _tower_threads.abandoned_tower_threads():
+      thread.join(10)
 
 
 def test_thousand_calls_leave_no_threads_and_no_memory(no_thread_leak):

@@ -148,7 +148,18 @@ class _Pool:
 
 
 _pool = _Pool()
-os.register_at_fork(after_in_child=_pool.forget)
+
+
+def _forget_threads_in_child():
+  """In a forked child: only the forking thread exists, so neither the pool's idle
+  threads nor the abandoned towers of the parent are this process's."""
+  global _abandoned_lock
+  _pool.forget()
+  _abandoned_lock = threading.Lock()
+  _abandoned.clear()
+
+
+os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
 class _Aborted(BaseException):
