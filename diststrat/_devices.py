@@ -49,13 +49,17 @@ def canonicalize(device: str | tf.DeviceSpec | tf.config.LogicalDevice,
     The canonical device string.
 
   Raises:
-    ValueError: `device` is not a device string.
+    ValueError: `device` is not a device string, or is a wildcard (`"/cpu:*"`).
   """
   if isinstance(device, tf.config.LogicalDevice):  # From tf.config.list_logical_devices().
     device = device.name
   if isinstance(device, tf.DeviceSpec):
     spec = device
   elif isinstance(device, str):
+    if "*" in device:  # TensorFlow parses "/cpu:*" as "/cpu", which means CPU:0 here.
+      raise ValueError(
+          f"Expected one device, such as '/gpu:0'. Received: device={device!r}, a "
+          "wildcard for several. Name each device; diststrat.local_devices() lists them.")
     try:
       spec = tf.DeviceSpec.from_string(device)
     except (ValueError, TypeError) as e:

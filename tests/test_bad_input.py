@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import diststrat as ds
+from diststrat._cluster_runtime import _cluster_spec
 from conftest import CPUS
 
 EXISTING = r"it has \['/job:localhost/replica:0/task:0/device:CPU:0'"
@@ -182,6 +183,18 @@ def _ps(spec, **kwargs):
 def test_bad_cluster_specs_are_refused_before_connecting(spec, kwargs, message):
   with pytest.raises(ValueError, match=message):
     _ps(spec, **kwargs)
+
+
+@pytest.mark.parametrize("role", ["parameter_server", "multi_worker", "server"])
+def test_a_numpy_integer_task_id_is_taken_as_the_int(role):
+  # Refused before ("task_id must be an index into cluster_spec['worker'], from 0 to 1.
+  # Received: task_id=np.int64(1)"), though LocalCluster takes numpy task ids.
+  spec = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+  if role != "multi_worker":
+    spec["ps"] = ["127.0.0.1:3"]
+  expected = _cluster_spec.resolve_cluster(spec, "worker", 1, role=role)
+  config = _cluster_spec.resolve_cluster(spec, "worker", np.int64(1), role=role)
+  assert config == expected and type(config.task_id) is int
 
 
 def test_multi_worker_refuses_duplicate_workers_before_starting_a_server():
@@ -382,6 +395,20 @@ def test_strategies_take_logical_devices_and_explain_a_count():
   logical = tf.config.list_logical_devices("CPU")[:2]
   assert ds.MirroredStrategy(logical).worker_devices == tuple(CPUS[:2])
   assert ds.canonicalize_device(logical[1]) == CPUS[1]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ds.MirroredStrategy(["/cpu:*"]),
+    lambda: ds.canonicalize_device("/device:CPU:*"),
+    lambda: ds.pipeline.GPipe([tf.keras.layers.Dense(2)], devices=["/cpu:*"]),
+])
+def test_a_wildcard_device_is_refused(make):
+  # "/cpu:*" was taken as CPU:0: a strategy or pipeline on one device where the user
+  # asked for all of them.
+  with pytest.raises(ValueError, match=r"Expected one device, such as '/gpu:0'. Received: "
+                     r"device='/(device:)?(cpu|CPU):\*', a wildcard for several. Name each "
+                     r"device; diststrat.local_devices\(\) lists them."):
+    make()
 
 
 @pytest.mark.parametrize("make", [

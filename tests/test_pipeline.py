@@ -172,6 +172,9 @@ def test_partition_breaks_ties_as_documented():
     ([1, -2], 1, r"finite number >= 0. Received: costs\[1\]=-2.0"),
     ([float("nan")], 1, r"Received: costs\[0\]=nan"),
     (["a"], 1, r"sequence of numbers.*Received: costs=\['a'\]"),
+    # Strings that parse as numbers were taken: "123" as the costs [1, 2, 3].
+    ("123", 2, r"sequence of numbers.*Received: costs='123'"),
+    (["1", "2"], 1, r"sequence of numbers.*Received: costs=\['1', '2'\]"),
 ])
 def test_partition_errors(costs, num_stages, match):
   with pytest.raises(ValueError, match=match):

@@ -7,6 +7,7 @@ way, through `resolve_cluster`: the arguments it was given, else the environment
 checked here, once, with errors that name what was wrong and where it came from.
 """
 
+import numbers
 import time
 from typing import Mapping, Optional
 
@@ -113,7 +114,7 @@ def normalize_cluster_spec(cluster_spec, task_type, task_id, role="parameter_ser
         f"task_type must name the job of this worker process, one of "
         f"{sorted(j for j in spec if j != PS_JOB)} (parameter servers run no model code). "
         f"Received: task_type={task_type!r}")
-  if (isinstance(task_id, bool) or not isinstance(task_id, int)
+  if (isinstance(task_id, bool) or not isinstance(task_id, numbers.Integral)
       or not 0 <= task_id < len(spec[task_type])):
     raise ValueError(f"task_id must be an index into cluster_spec[{task_type!r}], from 0 "
                      f"to {len(spec[task_type]) - 1}. Received: task_id={task_id!r}")
@@ -215,6 +216,7 @@ def resolve_cluster(cluster_spec=None, task_type=None, task_id=None, *, role: st
   spec = _environment.checked(
       lambda: normalize_cluster_spec(cluster_spec, task_type, task_id, role),
       None if source == "arguments" else source)
+  task_id = int(task_id)  # A numpy integer passes the check above: give on a plain int.
   check_reachable(spec, task_type, task_id)
   return _environment.ClusterConfig(spec, task_type, task_id, source)
 

@@ -78,7 +78,9 @@ def partition(costs: Sequence[float], num_stages: int) -> list[int]:
 
 def _check_costs(costs):
   try:
-    values = [float(c) for c in costs]
+    if isinstance(costs, (str, bytes)):  # Its characters would parse as numbers.
+      raise TypeError("a string")
+    values = [_number(c) for c in costs]
   except (TypeError, ValueError) as e:
     raise ValueError("partition() takes a sequence of numbers, one cost per layer. "
                      f"Received: costs={costs!r}. Pass e.g. [1.0, 2.5, 0.0].") from e
@@ -92,3 +94,10 @@ def _check_costs(costs):
                      f"costs[{i}]={c!r}. Replace it with an estimate (0 for a layer that "
                      "does no arithmetic).")
   return values
+
+
+def _number(cost):
+  """`cost` as a float: a number (numpy ones too), not a string that parses as one."""
+  if isinstance(cost, (str, bytes)):
+    raise TypeError(f"{cost!r} is a string")
+  return float(cost)
