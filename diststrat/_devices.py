@@ -33,7 +33,8 @@ def canonicalize(device: str | tf.DeviceSpec | tf.config.LogicalDevice,
 
   Missing parts come from `default` (a device string), then from the local process
   (`/job:localhost/replica:0/task:0/device:CPU:0`; in a process that is a task of a
-  `MultiWorkerMirroredStrategy` cluster, that task, as TensorFlow places them). `"/cpu:1"`, `"/device:CPU:1"` and
+  `MultiWorkerMirroredStrategy` or `ParameterServerStrategy` cluster, that task, as
+  TensorFlow places them). `"/cpu:1"`, `"/device:CPU:1"` and
   `"/job:localhost/replica:0/task:0/device:CPU:1"` all give the last of these.
 
   Example:

@@ -448,6 +448,20 @@ def _every_path_fn(strategy, sync_dir, ckpt_dir):
           "after_reconnect": float(direct_step()), "count": float(count.numpy())}
 
 
+def _device_strings_fn(strategy):
+  """Device strings without a job ("/cpu:0") name this worker's devices, as TensorFlow
+  places them: as destinations and in `canonicalize_device`."""
+  with strategy.scope():
+    per_tower = strategy.call_for_each_tower(lambda: tf.constant([2.0, 3.0]))
+    total = strategy.reduce("sum", per_tower, destinations="/cpu:0")
+    copies = strategy.broadcast(tf.constant([5.0]), destinations=["/cpu:0"])
+    with tf.device("/cpu:0"):
+      placed = tf.identity(tf.constant(1.0)).device
+    return {"canonical": ds.canonicalize_device("/cpu:0"), "placed": placed,
+            "total": list(total.devices), "copies": list(copies.devices),
+            "workers": list(strategy.worker_devices)}
+
+
 def _slice_assign_then_read_fn(strategy):
   """Slice assignments bypass the variable's acknowledged writes; a read must see them."""
   with strategy.scope():
@@ -569,6 +583,17 @@ def test_variables_live_on_ps_tasks_and_behave_as_tf_variables(tmp_path):
                               "of shape (3,)"), r["wrong_shape"]
   assert r["wrong_shape"][2] == [4.0, 5.0, 6.0]
   assert r["keras"] == ([ps0, ps1], [True, True])  # Keras 3 layers make shared variables too.
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_device_strings_without_a_job_name_the_workers_devices():
+  """"/cpu:0" in a worker was read as /job:localhost/...: destinations raised ValueError
+  ("which TensorFlow does not have") and canonicalize_device named no device of the task."""
+  with _cluster(num_ps=1) as cluster:
+    [r] = cluster.run_on_workers(_device_strings_fn)
+  assert ds.canonicalize_device(r["placed"]) == r["canonical"] == r["workers"][0]
+  assert r["total"] == r["copies"] == r["workers"]
 
 
 @pytest.mark.processes

@@ -88,6 +88,8 @@ class ClusterConnection:
     try:
       self.guard.run(connect, f"connecting {self.local_task} to the cluster", probe=False)
       _exposure.server_started(self.local_task, self.spec[self.task_type][self.task_id])
+      # "/cpu:0" now names this task's device, in TensorFlow's placement and in diststrat's.
+      _devices.set_process_task(self.local_task)
     except errors.ClusterError as e:
       self._check_ps_tasks_answer(timeout)  # Names a task that died or froze meanwhile.
       raise errors.ClusterError(
