@@ -12,7 +12,9 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -594,6 +596,44 @@ def test_device_strings_without_a_job_name_the_workers_devices():
     [r] = cluster.run_on_workers(_device_strings_fn)
   assert ds.canonicalize_device(r["placed"]) == r["canonical"] == r["workers"][0]
   assert r["total"] == r["copies"] == r["workers"]
+
+
+_MAIN_SCRIPT = """
+import tensorflow as tf
+from diststrat.cluster import LocalCluster
+
+def place(name, shape, dtype):
+  return "/job:ps/task:1" if name == "b" else "/job:ps/task:0"
+
+def devices(strategy):
+  with strategy.scope():
+    return [tf.Variable(0.0, name=name).device for name in ("a", "b")]
+
+if __name__ == "__main__":
+  with LocalCluster(2, 1, strategy_kwargs={"variable_placement": place},
+                    start_timeout=60, result_timeout=100) as cluster:
+    print("devices", cluster.run_on_workers(devices))
+    try:
+      LocalCluster(1, 1, strategy_kwargs={"variable_placement": lambda *a: "x"}).run_on_workers(
+          devices)
+    except TypeError as e:
+      print("lambda", "module-level" in str(e))
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_a_scripts_functions_in_strategy_kwargs_reach_the_workers(tmp_path):
+  """A variable_placement defined in a script run as `python script.py` could not be
+  unpickled in the workers (AttributeError), which died with a ClusterError."""
+  script = tmp_path / "train.py"
+  script.write_text(textwrap.dedent(_MAIN_SCRIPT))
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                        timeout=TIMEOUT - 10, env=dict(os.environ, PYTHONPATH=repo))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert f"devices {[[PS0 + '/device:CPU:0', PS1 + '/device:CPU:0']]}" in proc.stdout
+  assert "lambda True" in proc.stdout
 
 
 @pytest.mark.processes

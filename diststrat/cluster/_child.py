@@ -96,9 +96,10 @@ def _run_worker(conn, job):
       _load_main(job["main_path"])
     fn = pickle.loads(job["fn"])
     kwargs = pickle.loads(job["kwargs"])
+    strategy_kwargs = pickle.loads(job["strategy_kwargs"])
     strategy = _STRATEGIES[job.get("strategy", "parameter_server")](
         cluster_spec=job["cluster_spec"], task_type=job["task_type"],
-        task_id=job["task_id"], **job["strategy_kwargs"])
+        task_id=job["task_id"], **strategy_kwargs)
     result = fn(strategy, **kwargs)
     try:
       payload = ("ok", pickle.dumps(result))

@@ -559,7 +559,7 @@ class LocalCluster:
       The list of the workers' results, in task order.
 
     Raises:
-      TypeError: `fn` or `kwargs` cannot be pickled.
+      TypeError: `fn`, `kwargs` or the `strategy_kwargs` cannot be pickled.
       The exception of the worker that failed first, in time (same type when it can be
       pickled, else `ClusterError`), with notes naming the task, its traceback and the
       later failures of other workers (often caused by the first); `ClusterError`
@@ -577,6 +577,14 @@ class LocalCluster:
     except Exception as e:  # pylint: disable=broad-except
       raise TypeError("run_on_workers() sends its keyword arguments to the worker "
                       f"processes by pickling them; these cannot be: {e}") from e
+    try:
+      strategy_kwargs_bytes = pickle.dumps(self._strategy_kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      raise TypeError(
+          "run_on_workers() sends strategy_kwargs to the worker processes by pickling "
+          "them, so a function among them (such as variable_placement) must be a "
+          f"module-level function, not a lambda or a nested function; these cannot be: "
+          f"{e}") from e
     if strategy is None:
       strategy = "parameter_server" if self.num_ps else "multi_worker"
     if strategy not in STRATEGIES or (strategy == "parameter_server" and not self.num_ps):
@@ -584,10 +592,12 @@ class LocalCluster:
           f"strategy must be 'parameter_server' (a cluster with PS tasks) or 'multi_worker'. "
           f"Received: strategy={strategy!r} for {self!r}.")
     main_path = None
-    if getattr(fn, "__module__", None) == "__main__":
+    # What fn, kwargs or strategy_kwargs take from a script run as `__main__` (functions,
+    # classes) pickles by that name: the workers load the script to find it.
+    if any(b"__main__" in part for part in (fn_bytes, kwargs_bytes, strategy_kwargs_bytes)):
       main_path = getattr(sys.modules["__main__"], "__file__", None)
     job = {"kind": "worker", "fn": fn_bytes, "kwargs": kwargs_bytes, "main_path": main_path,
-           "strategy": strategy, "strategy_kwargs": self._strategy_kwargs,
+           "strategy": strategy, "strategy_kwargs": strategy_kwargs_bytes,
            "task_type": "worker", "cpus": self._cpus_per_worker}
     with self._processes_lock:
       self._check_running()
