@@ -454,14 +454,17 @@ def _device_strings_fn(strategy):
   """Device strings without a job ("/cpu:0") name this worker's devices, as TensorFlow
   places them: as destinations and in `canonicalize_device`."""
   with strategy.scope():
-    per_tower = strategy.call_for_each_tower(lambda: tf.constant([2.0, 3.0]))
+    per_tower = strategy.call_for_each_tower(
+        lambda: tf.fill([2], float(ds.get_tower_context().tower_id)))
     total = strategy.reduce("sum", per_tower, destinations="/cpu:0")
+    own = per_tower.get("/cpu:1").numpy().tolist()
     copies = strategy.broadcast(tf.constant([5.0]), destinations=["/cpu:0"])
     with tf.device("/cpu:0"):
       placed = tf.identity(tf.constant(1.0)).device
     return {"canonical": ds.canonicalize_device("/cpu:0"), "placed": placed,
             "total": list(total.devices), "copies": list(copies.devices),
-            "workers": list(strategy.worker_devices)}
+            "workers": list(strategy.worker_devices), "own": own,
+            "sum": strategy.unwrap(total)[0].numpy().tolist()}
 
 
 def _slice_assign_then_read_fn(strategy):
@@ -592,10 +595,12 @@ def test_variables_live_on_ps_tasks_and_behave_as_tf_variables(tmp_path):
 def test_device_strings_without_a_job_name_the_workers_devices():
   """"/cpu:0" in a worker was read as /job:localhost/...: destinations raised ValueError
   ("which TensorFlow does not have") and canonicalize_device named no device of the task."""
-  with _cluster(num_ps=1) as cluster:
+  with LocalCluster(1, 1, cpus_per_worker=2, start_timeout=60, result_timeout=100,
+                    strategy_kwargs={"worker_devices": ["/cpu:0", "/cpu:1"]}) as cluster:
     [r] = cluster.run_on_workers(_device_strings_fn)
   assert ds.canonicalize_device(r["placed"]) == r["canonical"] == r["workers"][0]
-  assert r["total"] == r["copies"] == r["workers"]
+  assert r["total"] == r["copies"] == r["workers"][:1]
+  assert r["own"] == [1.0, 1.0] and r["sum"] == [1.0, 1.0]  # Towers 0 and 1.
 
 
 _MAIN_SCRIPT = """
