@@ -21,6 +21,7 @@ from diststrat._tf_internal import _distribute_stack
 from diststrat._tf_internal import _functions
 from diststrat._tf_internal import _variables
 from conftest import CPUS
+from fault_control import bounded
 
 
 def _broke(wrapper, detail):
@@ -156,21 +157,13 @@ def test_in_while_loop():
 
 
 def _in_a_thread(fn):
-  """fn() run in a new thread: its result, or its error raised here."""
-  out = {}
-
-  def main():
-    try:
-      out["result"] = fn()
-    except BaseException as e:  # pylint: disable=broad-except
-      out["error"] = e
-
-  thread = threading.Thread(target=main)
-  thread.start()
-  thread.join(60)
-  if "error" in out:
-    raise out["error"]
-  return out["result"]
+  """fn() run in a new thread (`fault_control.bounded`, at most 60 s): its result, or its
+  error raised here."""
+  kind, value, _ = bounded(fn, 60)
+  if kind == "raised":
+    raise value
+  assert kind == "returned", "the thread did not finish within 60 s"
+  return value
 
 
 def test_op_callbacks_and_set_op_callbacks_share_them_with_another_thread():

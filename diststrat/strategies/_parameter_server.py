@@ -434,8 +434,10 @@ class ParameterServerStrategy(_cluster_spec.ClusterTaskMixin, DistributionStrate
 
   def _update(self, var, fn, args, kwargs):
     result = self._guarded(f"update() of {var.name}", super()._update, var, fn, args, kwargs)
-    if tf.executing_eagerly():
-      self._backend.wrote_eagerly(var)
+    if tf.executing_eagerly():  # A one-copy MirroredVariable (an aggregation): its copy.
+      copies = var.values if isinstance(var, _variables.DistributedVariable) else (var,)
+      for copy in copies:
+        self._backend.wrote_eagerly(copy)
     return result
 
   def _update_non_slot(self, colocate_with, fn, args, kwargs):

@@ -216,7 +216,7 @@ class _Tower:
     self.variables_created = 0
     self.worker = None  # The pooled thread running it, once started.
     self.thread = None
-    self.finished = threading.Event()  # Set when it returned or raised (or never ran).
+    self.finished = threading.Event()  # Set when it returned, raised or was aborted.
     self.left_behind = False  # Abandoned by its failed call while running its code.
 
   def start(self, worker):
