@@ -199,19 +199,26 @@ def test_release_thread_state_frees_what_tensorflow_keeps_of_a_thread():
     if release:
       _tf_internal.release_thread_state()
 
+  def kept():
+    # TensorFlow keeps, for every thread that called a function, one FunctionCallOptions
+    # object (in a per-thread record it never frees). Counting only those, not every
+    # object, keeps the measure blind to the rest of the process: counting all objects
+    # once read -27 in the full suite, where a collection here can also free an earlier
+    # test's garbage that the first collection's finalizers left behind.
+    gc.collect()
+    return sum(type(o).__name__ == "FunctionCallOptions" for o in gc.get_objects())
+
   def growth(release, threads=300):
     for _ in range(5):
       _in_a_thread(lambda: step(release))
-    gc.collect()
-    before = len(gc.get_objects())
+    before = kept()
     for _ in range(threads):
       _in_a_thread(lambda: step(release))
-    gc.collect()
-    return len(gc.get_objects()) - before
+    return kept() - before
 
-  # Without it, each thread leaves objects behind (the measure can see the leak); with
-  # it, next to none.
-  assert growth(release=False) >= 300, (
+  # Without it, each thread leaves one behind (the measure can see the leak; a few may
+  # be an earlier test's threads letting theirs go meanwhile); with it, next to none.
+  assert growth(release=False) >= 270, (
       f"TensorFlow {tf.__version__} no longer keeps objects of finished threads: "
       "release_thread_state may be unneeded, and this test needs another measure")
   assert growth(release=True) < 30, _broke(
