@@ -110,3 +110,28 @@ def test_keras_variable_stands_for_its_tf_variable(s):
   # The Keras variable stands for the tf.Variable it holds (Keras 3 keeps it in `_value`).
   assert s.non_slot_devices([kv]) is kv._value  # pylint: disable=protected-access
   assert s.read_var(kv).numpy().tolist() == [2.0, 3.0]
+
+
+def test_tower_function_gets_autograph_in_tf_function_as_under_mirrored(s):
+  """Inside a tf.function the default strategy ran the tower function as written: a
+  Python `if` or `for` on a tensor raised OperatorNotAllowedInGraphError, where
+  MirroredStrategy (and TensorFlow's own strategies) convert it with AutoGraph."""
+
+  def fn(x):
+    total = tf.constant(0.0)
+    for i in tf.range(3):  # A loop over a tensor.
+      total += tf.cast(i, tf.float32)
+    if x > 0:  # A tensor condition.
+      total += x * 2.0
+    else:
+      total -= x
+    return total
+
+  def results(strategy):
+    @tf.function
+    def step(x):
+      return strategy.unwrap(strategy.call_for_each_tower(fn, x))[0]
+    with strategy.scope():
+      return [float(step(tf.constant(v))) for v in (3.0, -2.0)]
+
+  assert results(s) == results(ds.MirroredStrategy(CPUS[:1])) == [fn(3.0), fn(-2.0)]

@@ -8,6 +8,7 @@ from diststrat import _devices
 from diststrat import _input
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
+from diststrat.strategies import _tower_threads
 
 _LOCK = threading.Lock()
 _INSTANCE = None
@@ -55,6 +56,8 @@ class DefaultStrategy(DistributionStrategy):
     return tf.device(var.device)
 
   def _call_for_each_tower(self, fn, args, kwargs):
+    if not tf.executing_eagerly():
+      fn = _tower_threads.autograph_tower_fn(fn)
     with _context.enter_mode(self, _context.TowerContext(self, 0, 1)):
       return fn(*args, **kwargs)
 

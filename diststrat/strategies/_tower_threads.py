@@ -38,6 +38,7 @@ import logging
 import os
 import threading
 import types
+from typing import Any
 
 from diststrat._tf import tf
 from diststrat import _context
@@ -344,7 +345,7 @@ class TowerRunner:
     self.captured = _context.ThreadState()
     self.caller = threading.current_thread()
     if not self.captured.eager:
-      fn = _autograph(fn)
+      fn = autograph_tower_fn(fn)
     shares = _wrapped.batch_shares((args, kwargs)) or {}
     towers = [_Tower(self, i, d, fn, *self._tower_arguments(d, args, kwargs), shares.get(d))
               for i, d in enumerate(self.devices)]
@@ -518,17 +519,18 @@ def _describe_fn(fn):
   return name[len("tf__"):] if name.startswith("tf__") else name
 
 
-def _autograph(fn):
+def autograph_tower_fn(fn: Any) -> Any:
   """`fn` converted by AutoGraph (Python control flow on tensors) while tracing.
 
   AutoGraph converts the functions a `tf.function` calls, but not the ones a library
   calls for it; the tower function is one of those, so convert it here, as TensorFlow
-  does for its own strategies. Functions AutoGraph cannot convert run as they are.
+  does for its own strategies (the threaded towers and the default strategy's one
+  tower alike). Functions AutoGraph cannot convert run as they are.
   """
   if getattr(fn, "autograph_info__", None) is not None or not callable(fn):
     return fn
   if inspect.ismethod(fn):  # AutoGraph converts the function; bind it again.
-    converted = _autograph(fn.__func__)
+    converted = autograph_tower_fn(fn.__func__)
     return fn if converted is fn.__func__ else types.MethodType(converted, fn.__self__)
   try:
     return tf.autograph.to_graph(fn)
