@@ -80,6 +80,18 @@ class PerDeviceIterator:
     """The next per-tower batch (raises `tf.errors.OutOfRangeError` at the end)."""
     return self._split(self._iterator.get_next())
 
+  def __tf_flatten__(self):
+    # A tf.nest structure whose one leaf is the tf.data iterator: a `tf.function` given
+    # a new iterator every epoch (`step(iter(data))`) takes its resource as an input and
+    # is traced once, as with a plain tf.data iterator (an opaque Python object would
+    # be traced again for each one).
+    return (self._devices, (self._first, self._total)), (self._iterator,)
+
+  @classmethod
+  def __tf_unflatten__(cls, metadata, components):
+    devices, share = metadata
+    return cls(components[0], devices, share)
+
   def _split(self, element):
     if self._devices is None:
       return element

@@ -176,3 +176,39 @@ def test_natural_loop_traces_once():
   assert float(total.numpy()) == sum(range(48))
   assert isinstance(results[0], PerDevice) and results[0].devices == tuple(CPUS)
   assert [float(x) for x in results[0].values] == [1.0, 5.0, 9.0, 13.0]
+
+
+@pytest.mark.parametrize("towers", [None, 1, 4])
+def test_a_step_given_a_new_iterator_every_epoch_traces_once_as_with_tf_data(towers):
+  """A `tf.function` step taking `iter(data)` (as docs/mirrored.md suggests) was traced
+  again for every new iterator, so once per epoch: the iterator was an opaque Python
+  object to it. A plain tf.data iterator passed the same way is traced once."""
+  s = ds.DefaultStrategy() if towers is None else ds.MirroredStrategy(CPUS[:towers])
+
+  def dataset():
+    return tf.data.Dataset.range(24).map(lambda i: tf.cast(i, tf.float32)).batch(8)
+
+  def run(strategy, data):
+    @tf.function
+    def step(it):
+      total = tf.constant(0.0)
+      for _ in tf.range(2):  # Two batches per call, from the same iterator.
+        parts = strategy.call_for_each_tower(tf.reduce_sum, next(it))
+        total += strategy.unwrap(strategy.reduce("sum", parts))[0]
+      return total
+
+    with strategy.scope():
+      # Three epochs, each a new iterator; the first also a second call that goes on.
+      totals = []
+      for _ in range(3):
+        it = iter(data)
+        totals.append(float(step(it)))
+      totals.append(float(tf.reduce_sum(next(it)[0] if towers is None else
+                                        tf.concat(strategy.unwrap(next(it)), 0))))
+    return totals, step.experimental_get_tracing_count()
+
+  with s.scope():
+    data = s.distribute_dataset(dataset)
+  got = run(s, data)
+  expected = run(ds.DefaultStrategy(), dataset())  # A plain tf.data iterator.
+  assert got == expected and expected[1] == 1, (got, expected)
