@@ -845,3 +845,36 @@ def test_a_checkpoint_of_another_shape_is_refused_as_tensorflow_says_it(tmp_path
                      r"attempting to restore variable with shape \(2,\)"):
     tf.train.Checkpoint(w=w).read(path)
   assert [c.numpy().tolist() for c in w.values] == [[0.0, 0.0]] * 2
+
+
+def test_a_tape_around_eager_towers_raises_instead_of_a_none_gradient():
+  """A tf.GradientTape entered around an eager call_for_each_tower (or the tf.distribute
+  bridge's run) recorded nothing the towers computed, each in its own thread:
+  tape.gradient gave None where the default strategy gives the gradient."""
+  x = tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
+
+  def gradient(s, call):
+    with s.scope():
+      w = tf.Variable([[1.0], [2.0]])
+      with tf.GradientTape() as tape:
+        total = call(s, lambda part: tf.reduce_sum(part @ w))
+      return tape.gradient(total, w)
+
+  def own_api(s, fn):
+    return s.unwrap(s.reduce("sum", s.call_for_each_tower(fn, x)))[0]
+
+  def bridge(s, fn):
+    adapter = tf.distribute.get_strategy()
+    return adapter.reduce("sum", adapter.run(fn, args=(x,)), axis=None)
+
+  expected = gradient(ds.DefaultStrategy(), own_api)
+  np.testing.assert_allclose(expected, [[16.0], [20.0]])
+  for towers in (1, 4):
+    for call in (own_api, bridge):
+      with pytest.raises(ds.errors.ContextError, match="Enter the tape inside the tower function"):
+        gradient(strategy(towers), call)
+  s = strategy(4)
+  with s.scope():  # A paused tape records nothing in any thread: the call runs.
+    with tf.GradientTape() as tape:
+      with tape.stop_recording():
+        assert float(own_api(s, tf.reduce_sum)) == 4 * 36.0  # x is every tower's.

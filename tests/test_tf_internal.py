@@ -1475,3 +1475,14 @@ def test_keras_assign_increment(monkeypatch):
   got = [None if i is None else (i[0], float(i[1])) for i in increments]
   assert got == [("assign_add", 2.0), ("assign_sub", 3.0), None] and float(v.numpy()) == 5.0, \
       _broke("keras_assign_increment", f"Keras {keras.__version__}: {got}")
+
+
+def test_gradient_tape_recording():
+  assert not _tf_internal.gradient_tape_recording()
+  with tf.GradientTape():
+    assert _tf_internal.gradient_tape_recording(), _broke(
+        "gradient_tape_recording", "an entered tape is not seen")
+    with _tf_internal.stop_recording():
+      assert not _tf_internal.gradient_tape_recording(), _broke(
+          "gradient_tape_recording", "a paused tape is seen as recording")
+  assert not _tf_internal.gradient_tape_recording()

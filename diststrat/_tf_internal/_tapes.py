@@ -13,6 +13,7 @@
   accumulators in a graph ("dtype resource is not compatible").
 """
 
+from tensorflow.python import pywrap_tfe as _pywrap_tfe  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record as _record  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
@@ -31,6 +32,15 @@ def record_backward(op_name, outputs, inputs, backward):
 def stop_recording():
   """Context manager: no tape of this thread records while it is entered."""
   return _record.stop_recording()
+
+
+def gradient_tape_recording():
+  """True when a gradient tape of this thread is recording (entered, not paused).
+
+  Tapes are per thread: a tower thread's ops are never recorded on a tape of the
+  thread that started it. No public API tells whether any tape is active.
+  """
+  return _record.could_possibly_record() and not _pywrap_tfe.TFE_Py_TapeSetIsStopped()
 
 
 def should_record(tensors):
