@@ -18,8 +18,8 @@ class PerDeviceDataset:
   unchanged.
 
   Iterate it in eager mode (`for batch in ds`), or make an iterator with `iter(ds)` or
-  `make_one_shot_iterator()` and call `next(it)` / `it.get_next()`, also inside a
-  `tf.function`.
+  `make_one_shot_iterator()` and call `next(it)` / `it.get_next()` /
+  `it.get_next_as_optional()`, also inside a `tf.function`.
 
   Example:
     >>> import diststrat as ds, tensorflow as tf
@@ -80,6 +80,13 @@ class PerDeviceIterator:
     """The next per-tower batch (raises `tf.errors.OutOfRangeError` at the end)."""
     return self._split(self._iterator.get_next())
 
+  def get_next_as_optional(self) -> "PerDeviceOptional":
+    """The next per-tower batch, or nothing at the end of the data, as tf.distribute's
+    iterators give it: `has_value()` is a boolean tensor, `get_value()` the batch split
+    across the towers. Inside a `tf.function`, `if opt.has_value():` with the step in
+    its branch runs the last, possibly ragged, batch and stops without an error."""
+    return PerDeviceOptional(self._iterator.get_next_as_optional(), self)
+
   def __tf_flatten__(self):
     # A tf.nest structure whose one leaf is the tf.data iterator: a `tf.function` given
     # a new iterator every epoch (`step(iter(data))`) takes its resource as an input and
@@ -104,6 +111,23 @@ class PerDeviceIterator:
                       "dataset (for example with .map()).")
     return split_batch(batch, self._devices, first_tower=self._first,
                        num_towers=self._total)
+
+
+class PerDeviceOptional:
+  """What `PerDeviceIterator.get_next_as_optional()` returns: a tf.data optional of the
+  next global batch, whose value is split across the towers when it is read."""
+
+  def __init__(self, optional, iterator):
+    self._optional = optional
+    self._iterator = iterator
+
+  def has_value(self) -> Any:
+    """A boolean tensor: whether there was a next batch."""
+    return self._optional.has_value()
+
+  def get_value(self) -> Any:
+    """The batch, split as `next()` splits it (an error if there was none)."""
+    return self._iterator._split(self._optional.get_value())
 
 
 def split_batch(batch, devices, allow_empty=False, first_tower=0, num_towers=None):

@@ -212,3 +212,55 @@ def test_a_step_given_a_new_iterator_every_epoch_traces_once_as_with_tf_data(tow
   got = run(s, data)
   expected = run(ds.DefaultStrategy(), dataset())  # A plain tf.data iterator.
   assert got == expected and expected[1] == 1, (got, expected)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("towers", [None, 4])
+def test_get_next_as_optional_runs_a_ragged_last_batch_and_stops_as_tf_data(towers, mode):
+  """A distribute_dataset iterator had no get_next_as_optional (AttributeError), which
+  tf.data's and tf.distribute's iterators have: the way to run several steps per
+  tf.function call without an OutOfRangeError at the end of the data."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(22, 3)).astype(np.float32)  # Batches of 8, 8 and 6.
+  w0 = rng.normal(size=(3, 1)).astype(np.float32)
+
+  def dataset():
+    return tf.data.Dataset.from_tensor_slices((x, x @ np.ones((3, 1), np.float32))).batch(8)
+
+  def train(strategy, data):
+    with strategy.scope():
+      w = tf.Variable(w0)
+
+      def tower(features, labels):
+        share = ds.get_tower_context().batch_share
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_mean(tf.square(features @ w - labels))
+          loss *= 1.0 if share is None else share  # The tower's part of the batch's mean.
+        grad = tape.gradient(loss, w)
+        ds.get_tower_context().merge_call(
+            lambda s, g: s.update(w, lambda v, d: v.assign_sub(0.1 * d),
+                                  s.reduce("sum", g, destinations=w)), grad)
+        return loss
+
+      def steps(it):
+        total, count = tf.constant(0.0), tf.constant(0)
+        for _ in tf.range(5):  # More steps than batches.
+          optional = it.get_next_as_optional()
+          if optional.has_value():
+            features, labels = optional.get_value()
+            losses = strategy.call_for_each_tower(tower, features, labels)
+            total += strategy.unwrap(strategy.reduce("sum", losses))[0]
+            count += 1
+        return total, count
+
+      total, count = (tf.function(steps) if mode == "function" else steps)(iter(data))
+      return float(total), int(count), w.numpy()
+
+  s = ds.DefaultStrategy() if towers is None else ds.MirroredStrategy(CPUS[:towers])
+  with s.scope():
+    data = s.distribute_dataset(dataset)
+  total, count, w = train(s, data)
+  expected_total, expected_count, expected_w = train(ds.DefaultStrategy(), dataset())
+  assert count == expected_count == 3
+  np.testing.assert_allclose(total, expected_total, rtol=1e-5)
+  np.testing.assert_allclose(w, expected_w, rtol=1e-5, atol=1e-6)
