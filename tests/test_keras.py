@@ -908,3 +908,51 @@ def test_num_replicas_in_sync_is_the_tower_count_for_code_other_than_keras_losse
   # As tf.distribute: each tower's mean over its part, divided by the number of towers.
   np.testing.assert_allclose(total["average"], sum(p.mean() / 4 for p in parts), rtol=1e-6)
   np.testing.assert_allclose(total["regularization"], 4.0, rtol=1e-6)
+
+
+def _apply_in_merge_call(strategy, mode, grads_of):
+  """Two steps of a Keras SGD applied in `merge_call`, tf.distribute's way: each tower
+  computes its gradients, `grads_of(tower_grads)` gives what it passes to merge_call,
+  and merge_fn calls `apply_gradients` with them. Returns the variable's copies."""
+  x = tf.constant(np.arange(16, dtype=np.float32).reshape(8, 2) / 8.0)
+  with strategy.scope():
+    adapter = tf.distribute.get_strategy()
+    w = tf.Variable([[1.0], [-1.0]])
+    optimizer = keras.optimizers.SGD(0.1)
+
+    def tower(part):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(part @ w)) / 8.0
+      grads = grads_of([tape.gradient(loss, w)])
+      tf.distribute.get_replica_context().merge_call(
+          lambda _, g: optimizer.apply_gradients(zip(g, [w], strict=True)), args=(grads,))
+
+    step = _in_mode(lambda: adapter.run(tower, args=(x,)), mode)
+    step()
+    step()
+    return copies(w)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["mirrored2", "mirrored4"])
+def test_apply_gradients_in_merge_call_takes_all_reduced_copies_and_refuses_per_tower_ones(
+    name, mode):
+  """A Keras optimizer's apply_gradients in merge_fn given each tower's own gradients
+  (not all-reduced) updated each copy of the variable with its own tower's gradient:
+  the copies parted, silently. update() refuses per-tower values (docs/concepts.md);
+  all-reduced gradients, also scaled in each tower after the all_reduce, still apply."""
+
+  def all_reduced(grads):
+    return tf.distribute.get_replica_context().all_reduce("sum", grads)
+
+  def all_reduced_then_scaled(grads):
+    return [g * 1.0 for g in all_reduced(grads)]
+
+  expected = _apply_in_merge_call(STRATEGIES["default"](), mode, lambda g: g)[0]
+  for grads_of in (all_reduced, all_reduced_then_scaled):
+    got = _apply_in_merge_call(STRATEGIES[name](), mode, grads_of)
+    for copy in got:
+      np.testing.assert_allclose(copy, expected, **TOL)
+  error = ValueError if mode == "eager" else tf.errors.InvalidArgumentError
+  with pytest.raises(error, match="takes values mirrored over the devices it updates"):
+    _apply_in_merge_call(STRATEGIES[name](), mode, lambda g: g)

@@ -152,21 +152,29 @@ class ReplicaContextAdapter:
             for v in _wrapped.flatten(value)]
 
     def merge_fn(strategy, *leaves):
-      return tuple(_all_reduced(strategy, op, leaves))
+      # The token, one object for every tower, marks the results as one reduction's.
+      return tuple(_all_reduced(strategy, op, leaves)) + (object(),)
 
     if not all(isinstance(v, tf.Tensor) and v.dtype.is_floating for v in flat):
-      return _wrapped.pack_as(value, self._merged(merge_fn, *flat))
+      *reduced, token = self._merged(merge_fn, *flat)
+      _remember_copies(reduced, token)
+      return _wrapped.pack_as(value, reduced)
+
+    tokens = []
 
     @tf.custom_gradient
     def all_reduce(*leaves):
-      reduced = self._merged(merge_fn, *leaves)
+      *reduced, token = self._merged(merge_fn, *leaves)
+      tokens.append(token)
 
       def grad(*upstream):
-        return self._merged(merge_fn, *upstream)
+        return tuple(self._merged(merge_fn, *upstream)[:-1])
 
       return tuple(tf.identity(r) for r in reduced), grad
 
-    return _wrapped.pack_as(value, all_reduce(*flat))
+    results = all_reduce(*flat)
+    _remember_copies(results, tokens[0])
+    return _wrapped.pack_as(value, results)
 
   def all_gather(self, value, axis, options=None):
     """Every tower's `value` (a tensor or a structure of them) concatenated along `axis`
@@ -223,6 +231,74 @@ class ReplicaContextAdapter:
       for i, g in zip(floats, gather_floats(*[flat[i] for i in floats]), strict=True):
         results[i] = g
     return _wrapped.pack_as(value, results)
+
+
+# A tensor `all_reduce` gave a tower: id -> (weak reference to it, (the reduction's
+# token, leaf index)). The towers' results of one reduction are copies of one value,
+# which `ExtendedAdapter.update` takes as such when a merge_call regrouped them.
+_all_reduce_results: dict[int, tuple[Any, Any]] = {}
+_all_reduce_lock = threading.Lock()
+
+
+def _remember_copies(tensors, token):
+  for index, tensor in enumerate(tensors):
+    if not isinstance(tensor, tf.Tensor):
+      continue
+    key = id(tensor)
+
+    def forget(ref, key=key):
+      with _all_reduce_lock:
+        if _all_reduce_results.get(key, (None,))[0] is ref:
+          del _all_reduce_results[key]
+
+    with _all_reduce_lock:
+      _all_reduce_results[key] = (weakref.ref(tensor, forget), (token, index))
+
+
+def _results_of_one_all_reduce(values):
+  """Whether `values` (a `PerDevice`'s) are the towers' results of one `all_reduce`."""
+  found = set()
+  with _all_reduce_lock:
+    for v in values:
+      entry = _all_reduce_results.get(id(v))
+      if entry is None or entry[0]() is not v:
+        return False
+      found.add(entry[1])
+  return len(found) == 1
+
+
+def _as_copies(x):
+  """`x`, a `PerDevice` given to `update` as copies of one value (tf.distribute code
+  passes an `all_reduce`'s results through `merge_call`, which regroups them per tower),
+  as a `Mirrored`, or `x` itself when its values differ: `update` then refuses it,
+  naming the fix (a Keras optimizer's `apply_gradients` in `merge_fn` given each tower's
+  own gradients updated each copy of a variable with its tower's gradient, and the
+  copies parted). The results of one `all_reduce` are taken as they are; other values
+  are compared: eagerly at once, in a graph by an assertion when the step runs."""
+  values = x.values
+  if _results_of_one_all_reduce(values) or not all(
+      isinstance(v, tf.Tensor) for v in values):
+    return _wrapped.Mirrored(dict(zip(x.devices, values, strict=True)))
+  first = values[0]
+  if tf.executing_eagerly():
+    same = all(v.shape == first.shape and bool(tf.reduce_all(
+        tf.abs(tf.cast(v, tf.float64) - tf.cast(first, tf.float64))
+        <= 1e-6 + 1e-5 * tf.abs(tf.cast(first, tf.float64)))) for v in values[1:])
+    return _wrapped.Mirrored(dict(zip(x.devices, values, strict=True))) if same else x
+  checked = {}
+  for device, v in zip(x.devices, values, strict=True):
+    with tf.device(device):
+      check = tf.debugging.assert_less_equal(
+          tf.abs(tf.cast(v, tf.float64) - tf.cast(first, tf.float64)),
+          1e-6 + 1e-5 * tf.abs(tf.cast(first, tf.float64)),
+          message="update() (a Keras optimizer's apply_gradients in merge_call) takes "
+                  "values mirrored over the devices it updates, but was given one "
+                  "value per tower, and they differ. Combine the towers' values first: "
+                  "strategy.reduce('sum' or 'mean', value, destinations=var), or call "
+                  "apply_gradients in the towers")
+      with tf.control_dependencies([check]):
+        checked[device] = tf.identity(v)
+  return _wrapped.Mirrored(checked)
 
 
 def _all_reduced(strategy, op, leaves):
@@ -328,10 +404,15 @@ class ExtendedAdapter:
       if copies is not None and all(d in copies for d in devices):
         return copies
       if isinstance(x, _wrapped.DistributedValues) and not isinstance(x, tf.Variable):
+        if isinstance(x, _wrapped.PerDevice):
+          # All-reduced: per tower (as merge_call regroups the towers' copies), but
+          # copies; values that differ stay per tower, which update() refuses.
+          x = _as_copies(x)
+          if isinstance(x, _wrapped.PerDevice):
+            return x
         if not all(d in x for d in devices):
           return x.primary
-        # All-reduced: per tower (as merge_call regroups the towers' copies), but copies.
-        return _wrapped.Mirrored(dict(zip(x.devices, x.values, strict=True)))
+        return x
       return x
 
     args = _wrapped.pack_as(tuple(args), [local(x) for x in _wrapped.flatten(tuple(args))])
