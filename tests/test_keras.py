@@ -666,6 +666,48 @@ def test_a_strategy_whose_scope_was_entered_is_freed():
   assert ref() is None
 
 
+def _copies_of(variables):
+  """Every per-device copy of `variables` (Keras variables or diststrat ones)."""
+  found = []
+  for v in variables:
+    v = getattr(v, "value", v)
+    found += list(getattr(v, "values", None) or [v])
+  return found
+
+
+def _fit_and_drop(run_eagerly=False, synchronized=False):
+  """Weak references to a strategy, a Keras model it fit, and every copy of the model's
+  variables, once nothing else holds them."""
+  import weakref  # pylint: disable=g-import-not-at-top
+  s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with s.scope():
+    model = keras.Sequential([
+        keras.Input((3,)), keras.layers.Dense(4),
+        keras.layers.BatchNormalization(synchronized=synchronized), keras.layers.Dense(1)])
+    model.compile("adam", "mse", run_eagerly=run_eagerly)
+    model.fit(np.ones((16, 3), np.float32), np.ones((16, 1), np.float32), batch_size=8,
+              verbose=0)
+  variables = _copies_of(model.variables)
+  assert len(variables) > len(model.variables)  # Per-device copies.
+  return weakref.ref(s), weakref.ref(model), [weakref.ref(v) for v in variables]
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["traced", "eager"])
+def test_a_strategy_that_fit_a_model_is_freed_with_it(run_eagerly):
+  """One garbage collection freed the model but not its strategy: the strategy and its
+  reductions formed reference cycles (the measured reduction's budget was a method of
+  the strategy; each reduction's launcher held a method of the reduction), and the
+  strategy was still held, when the collection looked, by the adapters that diststrat
+  keeps for the model and its optimizer until they are collected. The strategy waited
+  for the next collection."""
+  import gc  # pylint: disable=g-import-not-at-top
+  strategy, model, variables = _fit_and_drop(run_eagerly)
+  gc.collect()
+  assert model() is None
+  assert strategy() is None
+  assert [v for v in variables if v() is not None] == []
+
+
 @pytest.mark.parametrize("name", ["mirrored2", "ps2"])
 def test_tf_distribute_reports_the_diststrat_context(name):
   strategy = STRATEGIES[name]()

@@ -878,3 +878,30 @@ def test_a_tape_around_eager_towers_raises_instead_of_a_none_gradient():
     with tf.GradientTape() as tape:
       with tape.stop_recording():
         assert float(own_api(s, tf.reduce_sum)) == 4 * 36.0  # x is every tower's.
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_strategy_that_reduced_is_freed_without_a_garbage_collection(mode):
+  """A dropped strategy waited for a garbage collection: it and its default reduction
+  formed reference cycles (the measurement budget was a method of the strategy, and each
+  reduction's eager launcher held a method of the reduction). Reference counting frees
+  them now, as soon as nothing holds the strategy."""
+  import weakref  # pylint: disable=g-import-not-at-top
+
+  def reduce_and_drop():
+    s = strategy(2)
+    x = ds.values.PerDevice({d: tf.constant(1.0) for d in s.worker_devices})
+    with s.scope():
+      total = run(mode, lambda: s.reduce("sum", x))
+    assert [float(v) for v in total.values] == [2.0, 2.0]
+    s.cross_tower_ops.batch_reduce("mean", [(x, None)])  # Eagerly: a launch.
+    return weakref.ref(s), weakref.ref(s.cross_tower_ops)
+
+  gc.collect()
+  gc.disable()
+  try:
+    s, ops = reduce_and_drop()
+    assert s() is None
+    assert ops() is None
+  finally:
+    gc.enable()

@@ -15,7 +15,9 @@ The traced function takes and returns flat lists of tensors: the values' compone
 """
 
 import collections
+import inspect
 import threading
+import weakref
 
 from diststrat._tf import tf
 from diststrat import _tf_internal
@@ -33,7 +35,10 @@ class Launcher:
   """
 
   def __init__(self, build):
-    self._build = build
+    # Weakly when `build` is a method: its object (a `CrossTowerOps`) holds this
+    # launcher, and a cycle through them would free a dropped strategy's reductions, and
+    # the strategy, only at a later garbage collection than its model.
+    self._build = weakref.WeakMethod(build) if inspect.ismethod(build) else lambda: build
     self._lock = threading.Lock()
     self._functions = collections.OrderedDict()
 
@@ -64,9 +69,11 @@ class Launcher:
   def _trace(self, kind, aggregation, signature, flat):
     out_kinds = []
 
+    build = self._build  # Weak (see __init__); alive while its object launches.
+
     def body(*args):
       items = _unflatten_items(args, signature)
-      results = self._build(kind, aggregation, items)
+      results = build()(kind, aggregation, items)
       outputs, kinds = _flatten_results(results, [d for _, d in items])
       out_kinds.extend(kinds)
       return outputs

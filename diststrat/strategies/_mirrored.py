@@ -73,6 +73,18 @@ def _check_cross_tower_ops(value):
       f"{hint}")
 
 
+def _step_budget(step):
+  """The budget of the default reduction's measurement, for a strategy whose `step` (a
+  `threading.local`) holds when its outermost call started: at most 1 s, and inside a
+  step 10% of the step's time so far (`_measured.measurement_budget`).
+
+  It holds the strategy's `step`, not the strategy: the strategy holds its reduction,
+  which holds this, and a cycle through them would free a dropped strategy only at a
+  later garbage collection than its model.
+  """
+  return lambda: _measured.measurement_budget(getattr(step, "started", None))
+
+
 class MirroredStrategy(DistributionStrategy):
   """Data parallelism on the devices of one machine, variables mirrored on each.
 
@@ -115,11 +127,12 @@ class MirroredStrategy(DistributionStrategy):
     if not devices:
       raise ValueError("MirroredStrategy needs at least one device. Received: devices=[]")
     self._devices = self._check_devices(devices)
+    self._step = threading.local()  # started: perf_counter() at the outermost call's start
     if cross_tower_ops is None:  # A bad DISTSTRAT_CROSS_TOWER_OPS is refused here.
-      cross_tower_ops = _choose.default_cross_tower_ops(self._devices, self._budget)
+      cross_tower_ops = _choose.default_cross_tower_ops(self._devices,
+                                                        _step_budget(self._step))
     self._cross_tower_ops = _check_cross_tower_ops(cross_tower_ops)
     self._tower_timeout = tower_timeout
-    self._step = threading.local()  # started: perf_counter() at the outermost call's start
 
   def _check_devices(self, devices):
     """`devices` if they all exist here (a subclass may check them later), else raises."""
@@ -137,11 +150,6 @@ class MirroredStrategy(DistributionStrategy):
 
   def _get_cross_tower_ops(self):
     return self._cross_tower_ops
-
-  def _budget(self):
-    """Seconds the default's measurement may take: at most 1 s, and inside a step 10% of
-    the step's time so far (`_measured.measurement_budget`)."""
-    return _measured.measurement_budget(getattr(self._step, "started", None))
 
   # --- variables ---
 
