@@ -708,6 +708,67 @@ def test_a_strategy_that_fit_a_model_is_freed_with_it(run_eagerly):
   assert [v for v in variables if v() is not None] == []
 
 
+def test_a_strategy_that_fit_a_synchronized_batch_normalization_is_freed():
+  """A synchronized BatchNormalization all-reduces its moments with a custom gradient,
+  which TensorFlow keeps for ever once a tf.function traced it: the gradient held its
+  replica context, and through it the strategy, the tower, the train step, the model
+  and every copy of its variables, for ever. It holds the context weakly now."""
+  import gc  # pylint: disable=g-import-not-at-top
+  strategy, model, variables = _fit_and_drop(synchronized=True)
+  gc.collect()
+  assert model() is None
+  assert strategy() is None
+  assert [v for v in variables if v() is not None] == []
+
+
+def test_a_strategy_whose_towers_differentiated_all_gather_in_a_tf_function_is_freed():
+  """As all_reduce's, all_gather's traced custom gradient held its replica context, and
+  through it the strategy and its variables, for ever."""
+  import gc  # pylint: disable=g-import-not-at-top
+  import weakref  # pylint: disable=g-import-not-at-top
+
+  def run():
+    s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with s.scope():
+      v = tf.Variable([1.0, 2.0])
+
+    def tower():
+      with tf.GradientTape() as tape:
+        gathered = tf.distribute.get_replica_context().all_gather(v * 2.0, axis=0)
+        loss = tf.reduce_sum(gathered * gathered)
+      return tape.gradient(loss, v)
+
+    with s.scope():
+      traced = tf.function(lambda: s.call_for_each_tower(tower))()
+      eager = s.call_for_each_tower(tower)  # Eagerly nothing is kept: the reference.
+    for t, e in zip(traced.values, eager.values, strict=True):
+      np.testing.assert_allclose(t.numpy(), e.numpy())
+    return weakref.ref(s), weakref.ref(v)
+
+  strategy, variable = run()
+  gc.collect()
+  assert strategy() is None
+  assert variable() is None
+
+
+def test_a_reduction_differentiated_after_its_tower_ended_raises_context_error():
+  """The gradient of a tower's all_reduce, asked for by tf.gradients after the towers
+  returned, cannot merge with them: ContextError, as before its replica context was
+  held weakly."""
+  s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with s.scope():
+    v = tf.Variable(1.0)
+
+  @tf.function
+  def gradient_outside_the_tower():
+    out = s.call_for_each_tower(
+        lambda: tf.distribute.get_replica_context().all_reduce("sum", v * 2.0))
+    return tf.gradients(out.values[0], v)
+
+  with s.scope(), pytest.raises(ds.errors.ContextError, match="tower"):
+    gradient_outside_the_tower()
+
+
 @pytest.mark.parametrize("name", ["mirrored2", "ps2"])
 def test_tf_distribute_reports_the_diststrat_context(name):
   strategy = STRATEGIES[name]()

@@ -37,6 +37,7 @@ from typing import Any
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _tf_internal
+from diststrat import errors
 from diststrat._arguments import as_tf_variable
 from diststrat._keras import _file_callbacks
 from diststrat._keras import _model_checks
@@ -162,13 +163,15 @@ class ReplicaContextAdapter:
 
     tokens = []
 
+    context = weakref.ref(self)  # Held weakly by the gradient: see _gradient_context.
+
     @tf.custom_gradient
     def all_reduce(*leaves):
       *reduced, token = self._merged(merge_fn, *leaves)
       tokens.append(token)
 
       def grad(*upstream):
-        return tuple(self._merged(merge_fn, *upstream)[:-1])
+        return tuple(_gradient_context(context, "all_reduce")._merged(merge_fn, *upstream)[:-1])
 
       return tuple(tf.identity(r) for r in reduced), grad
 
@@ -185,7 +188,7 @@ class ReplicaContextAdapter:
     every part). A negative `axis` counts from each value's last dimension.
     """
     del options
-    tower = self._tower
+    tower_id = self._tower.tower_id
     flat = [tf.convert_to_tensor(v) for v in _wrapped.flatten(value)]
     axes = [_gather_axis(v, axis) for v in flat]
 
@@ -212,6 +215,8 @@ class ReplicaContextAdapter:
                  for size in sizes]
         return tuple(totals), tuple(parts)
 
+      context = weakref.ref(self)  # Held weakly by the gradient: see _gradient_context.
+
       @tf.custom_gradient
       def gather_floats(*leaves):
         gathered = self._merged(gather_along(float_axes), *leaves)
@@ -219,11 +224,12 @@ class ReplicaContextAdapter:
         def grad(*upstream):
           own = [tf.reshape(tf.shape(leaf)[a], [1]) for leaf, a in
                  zip(leaves, float_axes, strict=True)]
-          totals, sizes = self._merged(backward_fn, tuple(upstream), tuple(own))
+          totals, sizes = _gradient_context(context, "all_gather")._merged(
+              backward_fn, tuple(upstream), tuple(own))
           # This tower's part starts after the parts of the towers before it.
           return tuple(
-              tf.gather(total, tf.range(tf.reduce_sum(size[:tower.tower_id]),
-                                        tf.reduce_sum(size[:tower.tower_id + 1])), axis=a)
+              tf.gather(total, tf.range(tf.reduce_sum(size[:tower_id]),
+                                        tf.reduce_sum(size[:tower_id + 1])), axis=a)
               for total, size, a in zip(totals, sizes, float_axes, strict=True))
 
         return tuple(tf.identity(g) for g in gathered), grad
@@ -299,6 +305,25 @@ def _as_copies(x):
       with tf.control_dependencies([check]):
         checked[device] = tf.identity(v)
   return _wrapped.Mirrored(checked)
+def _gradient_context(context, method):
+  """The `ReplicaContextAdapter` a gradient of `method` merges through, from the weak
+  reference `context`.
+
+  Inside a `tf.function`, `tf.custom_gradient` keeps the gradient function in
+  TensorFlow's process-wide registry of gradients forever. A gradient holding its
+  replica context strongly would keep, through it, the strategy, the tower and the
+  function the tower ran (a Keras model's train step, with the model and its variables)
+  alive after the program dropped them all. The context is alive whenever the gradient
+  can run: in its tower, while the tower runs.
+  """
+  adapter = context()
+  if adapter is None:  # The type merge_call raises outside its tower, as it was.
+    raise errors.ContextError(
+        f"The gradient of a tower's {method}() was asked for after the tower had ended "
+        "(its replica context is gone). A tower's reductions can be differentiated only "
+        "inside that tower's function: compute gradients there (tf.GradientTape in the "
+        "function passed to call_for_each_tower or strategy.run).")
+  return adapter
 
 
 def _all_reduced(strategy, op, leaves):
