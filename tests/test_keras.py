@@ -675,14 +675,30 @@ def _copies_of(variables):
   return found
 
 
-def _fit_and_drop(run_eagerly=False, synchronized=False):
+class _GraphRecorder(keras.layers.Layer):
+  """Passes its input through; records weakly the graphs its call is traced in."""
+
+  def __init__(self, graphs):
+    super().__init__()
+    self.record = graphs.append  # Not the list: Keras would track a copy of it.
+
+  def call(self, x):
+    import weakref  # pylint: disable=g-import-not-at-top
+    if not tf.executing_eagerly():
+      self.record(weakref.ref(tf.compat.v1.get_default_graph()))
+    return x
+
+
+def _fit_and_drop(run_eagerly=False, synchronized=False, graphs=None):
   """Weak references to a strategy, a Keras model it fit, and every copy of the model's
-  variables, once nothing else holds them."""
+  variables, once nothing else holds them; `graphs` (a list) gets weak references to the
+  graphs the model's steps were traced in."""
   import weakref  # pylint: disable=g-import-not-at-top
   s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
   with s.scope():
     model = keras.Sequential([
         keras.Input((3,)), keras.layers.Dense(4),
+        _GraphRecorder([] if graphs is None else graphs),
         keras.layers.BatchNormalization(synchronized=synchronized), keras.layers.Dense(1)])
     model.compile("adam", "mse", run_eagerly=run_eagerly)
     model.fit(np.ones((16, 3), np.float32), np.ones((16, 1), np.float32), batch_size=8,
@@ -709,16 +725,22 @@ def test_a_strategy_that_fit_a_model_is_freed_with_it(run_eagerly):
 
 
 def test_a_strategy_that_fit_a_synchronized_batch_normalization_is_freed():
-  """A synchronized BatchNormalization all-reduces its moments with a custom gradient,
-  which TensorFlow keeps for ever once a tf.function traced it: the gradient held its
-  replica context, and through it the strategy, the tower, the train step, the model
-  and every copy of its variables, for ever. It holds the context weakly now."""
+  """A synchronized BatchNormalization all-reduces its moments with a differentiable
+  reduction, whose gradient was a `tf.custom_gradient`: TensorFlow keeps those for ever
+  once a tf.function traced them, and this one held its replica context, and through it
+  the strategy, the tower, the train step, the model and every copy of its variables.
+  Even without the context, it held the traced graph, which holds the buffers of the
+  variables it captured. The graph is freed with the model now, as without the
+  synchronized layer."""
   import gc  # pylint: disable=g-import-not-at-top
-  strategy, model, variables = _fit_and_drop(synchronized=True)
+  graphs = []
+  strategy, model, variables = _fit_and_drop(synchronized=True, graphs=graphs)
+  assert graphs  # The train step's.
   gc.collect()
   assert model() is None
   assert strategy() is None
   assert [v for v in variables if v() is not None] == []
+  assert [g for g in graphs if g() is not None] == []
 
 
 def test_a_strategy_whose_towers_differentiated_all_gather_in_a_tf_function_is_freed():
@@ -749,6 +771,35 @@ def test_a_strategy_whose_towers_differentiated_all_gather_in_a_tf_function_is_f
   gc.collect()
   assert strategy() is None
   assert variable() is None
+
+
+@pytest.mark.parametrize("method", ["all_reduce", "all_gather"])
+def test_tf_gradients_of_a_replica_context_reduction_in_a_tower_match_a_tape(method):
+  """tf.gradients inside a traced tower goes through the reductions' gradient as a tape
+  does (the gradient registered once, looked up per graph)."""
+  s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with s.scope():
+    v = tf.Variable([1.0, 2.0])
+
+  def reduced():
+    ctx = tf.distribute.get_replica_context()
+    x = v * tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+    out = ctx.all_reduce("sum", x) if method == "all_reduce" else ctx.all_gather(x, axis=0)
+    return tf.reduce_sum(out * out)
+
+  def with_tape():
+    with tf.GradientTape() as tape:
+      loss = reduced()
+    return tape.gradient(loss, v)
+
+  def with_tf_gradients():
+    return tf.gradients(reduced(), v)[0]
+
+  with s.scope():
+    expected = tf.function(lambda: s.call_for_each_tower(with_tape))()
+    got = tf.function(lambda: s.call_for_each_tower(with_tf_gradients))()
+  for g, e in zip(got.values, expected.values, strict=True):
+    np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-6)
 
 
 def test_a_reduction_differentiated_after_its_tower_ended_raises_context_error():

@@ -161,22 +161,15 @@ class ReplicaContextAdapter:
       _remember_copies(reduced, token)
       return _wrapped.pack_as(value, reduced)
 
-    tokens = []
-
     context = weakref.ref(self)  # Held weakly by the gradient: see _gradient_context.
 
-    @tf.custom_gradient
-    def all_reduce(*leaves):
-      *reduced, token = self._merged(merge_fn, *leaves)
-      tokens.append(token)
+    def backward(leaves, upstream):
+      del leaves
+      return tuple(_gradient_context(context, "all_reduce")._merged(merge_fn, *upstream)[:-1])
 
-      def grad(*upstream):
-        return tuple(_gradient_context(context, "all_reduce")._merged(merge_fn, *upstream)[:-1])
-
-      return tuple(tf.identity(r) for r in reduced), grad
-
-    results = all_reduce(*flat)
-    _remember_copies(results, tokens[0])
+    *reduced, token = self._merged(merge_fn, *flat)
+    results = _with_gradient("AllReduce", reduced, flat, backward)
+    _remember_copies(results, token)
     return _wrapped.pack_as(value, results)
 
   def all_gather(self, value, axis, options=None):
@@ -217,24 +210,21 @@ class ReplicaContextAdapter:
 
       context = weakref.ref(self)  # Held weakly by the gradient: see _gradient_context.
 
-      @tf.custom_gradient
-      def gather_floats(*leaves):
-        gathered = self._merged(gather_along(float_axes), *leaves)
+      def backward(leaves, upstream):
+        own = [tf.reshape(tf.shape(leaf)[a], [1]) for leaf, a in
+               zip(leaves, float_axes, strict=True)]
+        totals, sizes = _gradient_context(context, "all_gather")._merged(
+            backward_fn, tuple(upstream), tuple(own))
+        # This tower's part starts after the parts of the towers before it.
+        return tuple(
+            tf.gather(total, tf.range(tf.reduce_sum(size[:tower_id]),
+                                      tf.reduce_sum(size[:tower_id + 1])), axis=a)
+            for total, size, a in zip(totals, sizes, float_axes, strict=True))
 
-        def grad(*upstream):
-          own = [tf.reshape(tf.shape(leaf)[a], [1]) for leaf, a in
-                 zip(leaves, float_axes, strict=True)]
-          totals, sizes = _gradient_context(context, "all_gather")._merged(
-              backward_fn, tuple(upstream), tuple(own))
-          # This tower's part starts after the parts of the towers before it.
-          return tuple(
-              tf.gather(total, tf.range(tf.reduce_sum(size[:tower_id]),
-                                        tf.reduce_sum(size[:tower_id + 1])), axis=a)
-              for total, size, a in zip(totals, sizes, float_axes, strict=True))
-
-        return tuple(tf.identity(g) for g in gathered), grad
-
-      for i, g in zip(floats, gather_floats(*[flat[i] for i in floats]), strict=True):
+      leaves = [flat[i] for i in floats]
+      gathered = self._merged(gather_along(float_axes), *leaves)
+      for i, g in zip(floats, _with_gradient("AllGather", gathered, leaves, backward),
+                      strict=True):
         results[i] = g
     return _wrapped.pack_as(value, results)
 
@@ -305,16 +295,65 @@ def _as_copies(x):
       with tf.control_dependencies([check]):
         checked[device] = tf.identity(v)
   return _wrapped.Mirrored(checked)
+
+
+# The gradient of the replica context's reductions inside a graph (see _with_gradient):
+# registered once, it finds each reduction's own in `_graph_gradients`.
+_GRADIENT = "DiststratTowerReduction"
+# graph -> {name of a reduction's IdentityN op: (number of outputs, backward)}. Weak: an
+# entry lives as long as its graph; a value holds no tensor (which would hold its graph).
+_graph_gradients: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_graph_gradients_lock = threading.Lock()
+
+
+@tf.RegisterGradient(_GRADIENT)
+def _registered_gradient(op, *upstream):
+  """`tf.gradients`' way to a reduction's gradient: its inputs are the reduced values,
+  which get none, then the tower's own values (see `_with_gradient`)."""
+  with _graph_gradients_lock:
+    count, backward = _graph_gradients[op.graph][op.name]
+  leaves = list(op.inputs[count:])
+  return [None] * count + list(backward(leaves, upstream[:count]))
+
+
+def _with_gradient(name, outputs, leaves, backward):
+  """`outputs`, computed by `merge_call` from this tower's `leaves` and the other towers'
+  values, as tensors whose gradient with respect to `leaves` is
+  `backward(leaves, upstream)` (a tower's tape does not see `merge_call`'s ops: they are
+  built in another thread).
+
+  What `tf.custom_gradient` does, without its process-wide registry: inside a
+  `tf.function` it registers each gradient there for ever, with the tensors, so the
+  graph, of the trace, and with the graph the buffers of every variable the trace
+  captured (a Keras model's, on every device): a sweep making a model per trial never got
+  that memory back. Here tapes get the gradient in their own record (gone with the tape),
+  and `tf.gradients` through one gradient registered once, which finds `backward` in a map
+  that lives as long as the graph.
+  """
+  outputs, leaves = list(outputs), list(leaves)
+  if not outputs:
+    return outputs
+  if tf.executing_eagerly():
+    results = [tf.identity(t) for t in outputs]
+  else:
+    graph = tf.compat.v1.get_default_graph()
+    with graph.gradient_override_map({"IdentityN": _GRADIENT}):
+      results = tf.identity_n(outputs + leaves)[:len(outputs)]
+    with _graph_gradients_lock:
+      _graph_gradients.setdefault(graph, {})[results[0].op.name] = (len(outputs), backward)
+  _tf_internal.record_backward(name, results, leaves,
+                               lambda *upstream: backward(leaves, upstream))
+  return results
+
+
 def _gradient_context(context, method):
   """The `ReplicaContextAdapter` a gradient of `method` merges through, from the weak
   reference `context`.
 
-  Inside a `tf.function`, `tf.custom_gradient` keeps the gradient function in
-  TensorFlow's process-wide registry of gradients forever. A gradient holding its
-  replica context strongly would keep, through it, the strategy, the tower and the
-  function the tower ran (a Keras model's train step, with the model and its variables)
-  alive after the program dropped them all. The context is alive whenever the gradient
-  can run: in its tower, while the tower runs.
+  The gradient lives as long as the graph it was traced in (`_with_gradient`): a Keras
+  model's train function keeps it. Holding its replica context weakly, it does not keep,
+  through it, the strategy and the tower (and the function the tower ran) as long. The
+  context is alive whenever the gradient can run: in its tower, while the tower runs.
   """
   adapter = context()
   if adapter is None:  # The type merge_call raises outside its tower, as it was.
