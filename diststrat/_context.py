@@ -31,6 +31,12 @@ registers a function that is called with each mode entered (in `enter_mode`, and
 that mode is current. The Keras support's mode listener
 (diststrat/_keras/_mode_listener.py) uses this to keep TensorFlow's own idea of the
 current strategy in step with ours.
+
+`add_thread_state_carrier(capture)` registers state of another library that a thread
+running the calling thread's code (a tower) should share: `capture()` runs when a
+`ThreadState` is made, in the calling thread, and returns a function that gives the
+context manager the other thread holds while it runs with that state. The Keras support
+carries Keras's global seed generator this way (diststrat/_keras/_thread_globals.py).
 """
 
 import contextlib
@@ -109,6 +115,21 @@ def add_mode_listener(listener):
   """
   if listener not in _mode_listeners:
     _mode_listeners.append(listener)
+
+
+_thread_state_carriers: list[typing.Callable[[], typing.Any]] = []
+
+
+def add_thread_state_carrier(capture):
+  """Carries more of a thread's state into the threads that take it (`ThreadState`).
+
+  `capture()` is called in the thread a `ThreadState` is made in; it returns a function
+  called with no argument in the thread that enters that state, after its diststrat
+  context is set, which returns a context manager (or None) held while that thread runs
+  with the state. Registering the same function twice registers it once.
+  """
+  if capture not in _thread_state_carriers:
+    _thread_state_carriers.append(capture)
 
 
 @contextlib.contextmanager
@@ -449,7 +470,8 @@ class ThreadState:
   name scope, variable creator stack, control dependencies, device scope, op callbacks
   (`tf.debugging.enable_check_numerics()` and the like: the same list, as
   tf.distribute's replica threads share it), and the
-  context of a SavedModel save tracing its functions. Tower
+  context of a SavedModel save tracing its functions, plus what the registered carriers
+  carry (`add_thread_state_carrier`: Keras's global seed generator). Tower
   threads and the cluster watchdog's helper thread start from one.
   """
 
@@ -465,6 +487,7 @@ class ThreadState:
     self.colocations = list(getattr(_state, "colocations", None) or [])
     self.save_options = _tf_internal.saved_model_trace_options()
     self.op_callbacks = _tf_internal.op_callbacks()
+    self.carried = [capture() for capture in _thread_state_carriers]
 
   @contextlib.contextmanager
   def enter(self, device=None):
@@ -500,4 +523,8 @@ class ThreadState:
       stack.callback(restore)
       if self.modes:
         stack.enter_context(_announced(self.modes[-1]))
+      for carried in self.carried:
+        manager = carried()
+        if manager is not None:
+          stack.enter_context(manager)
       yield

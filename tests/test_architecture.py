@@ -66,7 +66,7 @@ LAYERS = [
                     "strategies"]),
     ("integrations", ["_keras._variable_rules", "_keras._file_callbacks",
                       "_keras._model_checks", "_keras._replay", "_keras._training", "_keras._facade",
-                      "_keras._mode_listener", "_keras"]),
+                      "_keras._mode_listener", "_keras._thread_globals", "_keras"]),
     ("applications", ["cluster._isolation", "cluster._processes", "cluster._forkserver",
                       "cluster._serve", "cluster._task", "cluster._output", "cluster._job",
                       "cluster._local_cluster", "cluster", "cluster._child", "run",

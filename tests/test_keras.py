@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 import diststrat as ds
+from conftest import CPUS
 from keras_cases import (STRATEGIES, TOL, assert_all_close, assert_copies_equal, copies,
                          frozen)
 
@@ -111,6 +112,38 @@ def test_dropout_masks_differ_across_towers(name, mode):
     first_tower = strategy.call_for_each_tower(
         lambda: dropout(tf.ones((4, 16)), training=True)).values[0]
   np.testing.assert_array_equal(first_tower, reference(tf.ones((4, 16)), training=True))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unseeded_keras_random_in_towers_repeats_after_set_random_seed(mode):
+  # `keras.random.*` without a seed draws from Keras's global seed generator, which
+  # Keras keeps per thread. Each pooled tower thread kept its own across calls and
+  # strategies: after `keras.utils.set_random_seed` a second run drew other numbers (the
+  # default strategy repeats), and a strategy on other devices reused the first one's
+  # state variable (ValueError: no component on tower 0's device). The towers draw from
+  # the calling thread's generator now.
+  def run(strategy, calls=2):
+    keras.utils.set_random_seed(3)
+    step = _in_mode(lambda: strategy.call_for_each_tower(lambda: keras.random.normal((3,))),
+                    mode)
+    with strategy.scope():
+      return [[np.asarray(v) for v in strategy.unwrap(step())] for _ in range(calls)]
+
+  reference = run(ds.DefaultStrategy())
+  assert _same(reference, run(ds.DefaultStrategy()))  # What a program expects.
+  first = run(ds.MirroredStrategy(CPUS[:2]))
+  again = run(ds.MirroredStrategy(CPUS[:2]))
+  elsewhere = run(ds.MirroredStrategy(CPUS[2:]))
+  assert _same(first, again) and _same(first, elsewhere)
+  # Tower 0 draws one device's stream; tower 1 its own.
+  assert _same([call[:1] for call in first], reference)
+  assert not np.array_equal(first[0][0], first[0][1])
+
+
+def _same(a, b):
+  return len(a) == len(b) and all(
+      len(x) == len(y) and all(np.array_equal(u, v) for u, v in zip(x, y, strict=True))
+      for x, y in zip(a, b, strict=True))
 
 
 def test_plain_variables_keep_the_aggregation_none_error():

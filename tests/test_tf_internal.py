@@ -358,6 +358,40 @@ def test_keras_seed_generators():
   assert _tf_internal.keras_seed_generators(tf.Module()) == []
 
 
+def test_keras_thread_globals_and_keras_global_seed_generator_and_set_keras_global_seed_generator():
+  import threading  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(5)
+  mine = _tf_internal.keras_thread_globals()
+  assert isinstance(mine, dict), _broke(
+      "keras_thread_globals", f"Keras {keras.__version__} keeps no GLOBAL_STATE_TRACKER")
+  assert _tf_internal.keras_global_seed_generator(mine) is None  # Dropped by the seed.
+  keras.random.normal(())
+  generator = _tf_internal.keras_global_seed_generator(mine)
+  assert isinstance(generator, keras.random.SeedGenerator), _broke(
+      "keras_global_seed_generator", f"Keras {keras.__version__} renamed its global seed "
+      "generator")
+  seen = {}
+
+  def other_thread():  # Another thread's state is its own, and can take this one's.
+    own = _tf_internal.keras_thread_globals()
+    seen["own"] = own is not mine and _tf_internal.keras_global_seed_generator(own)
+    _tf_internal.set_keras_global_seed_generator(own, generator)
+    seen["draw"] = keras.random.normal(())
+
+  thread = threading.Thread(target=other_thread)
+  thread.start()
+  thread.join(timeout=60)
+  assert seen["own"] is None
+  after = generator.state.numpy()
+  _tf_internal.set_keras_global_seed_generator(mine, None)
+  keras.utils.set_random_seed(5)
+  keras.random.normal(())
+  replay = _tf_internal.keras_global_seed_generator(mine)
+  assert replay is not generator
+  np.testing.assert_array_equal(keras.random.normal(()), seen["draw"])  # Same stream.
+  np.testing.assert_array_equal(replay.state.numpy(), after)
+
+
 def test_keras_optimizer_step_count():
   variable = keras.Variable(np.ones([2], np.float32))
   plain = keras.optimizers.SGD(0.1)

@@ -20,6 +20,8 @@ update every copy, and batch normalization synchronizes. One module per concept:
   other than the chief.
 - `_variable_rules.py`: how the variables Keras makes behave in towers (batch
   normalization's moving statistics, random seeds).
+- `_thread_globals.py`: the towers draw unseeded `keras.random` numbers from the calling
+  thread's global seed generator (Keras keeps one per thread).
 
 Keras's classes are not changed, but diststrat replaces instance attributes of some
 Keras objects, on the instance, while they run under a strategy:
@@ -33,7 +35,8 @@ Keras objects, on the instance, while they run under a strategy:
   so that two workers never write one path), all given back when `fit` ends.
 
 `install()` connects the package to diststrat's core, which knows nothing of Keras: the
-mode listener follows the context stack (`_context.add_mode_listener`), the variable
+mode listener follows the context stack (`_context.add_mode_listener`), tower threads
+take the calling thread's global seed generator (`_context.add_thread_state_carrier`), the variable
 rules are found by a creation hook (`values._variables.add_rules_finder`), and Keras
 variables are unwrapped to the `tf.Variable` they hold wherever diststrat takes a
 variable (`_arguments.register_variable_unwrapper`). `import diststrat` calls it. See
@@ -46,6 +49,7 @@ from diststrat import _strategy
 from diststrat import _tf_internal
 from diststrat._keras import _facade
 from diststrat._keras import _mode_listener
+from diststrat._keras import _thread_globals
 from diststrat._keras import _training
 from diststrat._keras import _variable_rules
 from diststrat.values import _variables
@@ -54,6 +58,7 @@ from diststrat.values import _variables
 def install():
   """Connects the Keras support to diststrat's contexts and variables (idempotent)."""
   _context.add_mode_listener(_mode_listener.tf_mode)
+  _context.add_thread_state_carrier(_thread_globals.capture)
   _variables.add_rules_finder(_variable_rules.find_rules)
   _arguments.register_variable_unwrapper(_tf_internal.keras_backing_variable)
   _strategy.add_variable_creation_hook(_route_new_optimizer)

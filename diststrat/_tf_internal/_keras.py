@@ -18,6 +18,10 @@
   (`keras_variable_origin`).
 - Keras 3 writes a variable's `assign_add(delta)` as `assign(self + delta)`; the calling
   frames tell the delta (`keras_assign_increment`).
+- Keras 3 keeps its global state (layer-name counters, the dtype policy, the global
+  seed generator that `keras.random.*` draws from without a seed) per thread, with no
+  public accessor for another thread's (`keras_thread_globals`,
+  `keras_global_seed_generator`, `set_keras_global_seed_generator`).
 
 Keras's modules are looked up among those already imported (a Keras variable being
 created means Keras is loaded), never imported here.
@@ -74,6 +78,37 @@ def keras_in_stateless_scope():
   except ImportError:  # pragma: no cover - another Keras layout
     return False
   return bool(stateless_scope.in_stateless_scope())
+
+
+_KERAS_GLOBAL_STATE_MODULE = "keras.src.backend.common.global_state"
+_KERAS_SEED_GENERATOR_MODULE = "keras.src.random.seed_generator"
+
+
+def keras_thread_globals():
+  """This thread's Keras 3 global state, a dict that another thread may read and write
+  (Keras reads it with `getattr` on a `threading.local`), or None before Keras is
+  loaded. `keras.backend.clear_session()` replaces every thread's."""
+  module = sys.modules.get(_KERAS_GLOBAL_STATE_MODULE)
+  tracker = getattr(module, "GLOBAL_STATE_TRACKER", None)
+  return None if tracker is None else tracker.__dict__
+
+
+def _global_seed_generator_key():
+  module = sys.modules.get(_KERAS_SEED_GENERATOR_MODULE)
+  return getattr(module, "GLOBAL_SEED_GENERATOR", "global_seed_generator")
+
+
+def keras_global_seed_generator(thread_globals):
+  """The global `SeedGenerator` recorded in `thread_globals` (from
+  `keras_thread_globals`), or None: Keras makes it on the first draw without a seed in
+  that thread, and `keras.utils.set_random_seed` drops the calling thread's."""
+  return thread_globals.get(_global_seed_generator_key())
+
+
+def set_keras_global_seed_generator(thread_globals, generator):
+  """Makes `generator` (a `SeedGenerator`, or None: Keras makes a new one when needed)
+  the global seed generator of the thread whose `keras_thread_globals` these are."""
+  thread_globals[_global_seed_generator_key()] = generator
 
 
 def keras_optimizer_strategy(optimizer):

@@ -1,0 +1,63 @@
+"""Keras's global seed generator, shared by a strategy's towers with the calling thread.
+
+Keras 3 keeps its global state per thread, the global `SeedGenerator` among it: the one
+`keras.random.normal(shape)` (any `keras.random` draw without a seed) uses, made on the
+first such draw in a thread and dropped by `keras.utils.set_random_seed` in the thread
+that calls it. Towers run in pooled threads (strategies/_tower_threads.py), so each
+tower thread kept a generator of its own across calls and strategies: a program that
+set the seed and trained twice drew other numbers the second time (without a strategy
+it repeats), and a second strategy on other devices reused the first one's variable and
+failed.
+
+`diststrat._keras.install()` registers `capture` as a thread state carrier
+(`_context.add_thread_state_carrier`): a tower draws from the calling thread's
+generator, as the same code does without a strategy. If the calling thread has none (or
+one whose state variable another strategy made), the towers make one on their first
+draw without a seed (seeded from Python's `random`, as Keras seeds it), and it becomes
+the calling thread's when the tower that made it returns. Its state variable is then the
+strategy's, read in tower i > 0 with i hashed in as every `SeedGenerator`'s is
+(docs/keras.md, "Dropout and random layers").
+"""
+
+import contextlib
+
+from diststrat import _context
+from diststrat import _tf_internal
+from diststrat.values import _variables
+
+
+def capture():
+  """In the calling thread: what a thread entering its state shares (see above)."""
+  caller = _tf_internal.keras_thread_globals()
+  return lambda: None if caller is None else _shared_with(caller)
+
+
+def _usable(generator, strategy):
+  """Whether towers of `strategy` may draw from `generator`: its state variable is not
+  another strategy's."""
+  variable = _tf_internal.keras_backing_variable(getattr(generator, "state", None))
+  creator = _variables.created_by(variable) if variable is not None else None
+  return creator is None or creator is strategy
+
+
+@contextlib.contextmanager
+def _shared_with(caller):
+  own = _tf_internal.keras_thread_globals()
+  if own is None or own is caller:
+    yield
+    return
+  strategy = _context.get_distribution_strategy()
+  generator = _tf_internal.keras_global_seed_generator(caller)
+  if generator is not None and not _usable(generator, strategy):
+    generator = None
+  saved = _tf_internal.keras_global_seed_generator(own)
+  _tf_internal.set_keras_global_seed_generator(own, generator)
+  try:
+    yield
+  finally:
+    made = _tf_internal.keras_global_seed_generator(own)
+    _tf_internal.set_keras_global_seed_generator(own, saved)
+    current = _tf_internal.keras_global_seed_generator(caller)
+    if made is not None and made is not current and (
+        current is None or not _usable(current, strategy)):
+      _tf_internal.set_keras_global_seed_generator(caller, made)
