@@ -124,9 +124,11 @@ def add_thread_state_carrier(capture):
   """Carries more of a thread's state into the threads that take it (`ThreadState`).
 
   `capture()` is called in the thread a `ThreadState` is made in; it returns a function
-  called with no argument in the thread that enters that state, after its diststrat
-  context is set, which returns a context manager (or None) held while that thread runs
-  with the state. Registering the same function twice registers it once.
+  called in the thread that enters that state, after its diststrat context is set, with
+  the `slot` given to `enter` (a tower's index among the towers of its call, or None),
+  which
+  returns a context manager (or None) held while that thread runs with the state.
+  Registering the same function twice registers it once.
   """
   if capture not in _thread_state_carriers:
     _thread_state_carriers.append(capture)
@@ -490,8 +492,13 @@ class ThreadState:
     self.carried = [capture() for capture in _thread_state_carriers]
 
   @contextlib.contextmanager
-  def enter(self, device=None):
-    """Runs the body with this state; `device`, if given, replaces the device scope."""
+  def enter(self, device=None, slot=None):
+    """Runs the body with this state; `device`, if given, replaces the device scope.
+
+    `slot` says which of the threads that take this state this one is (a tower's index
+    in its call), for the carriers that keep state per slot; None (a helper thread that
+    runs the calling thread's code for it) shares the calling thread's own.
+    """
     with contextlib.ExitStack() as stack:
       if not self.eager:
         stack.enter_context(self.graph.as_default())
@@ -524,7 +531,7 @@ class ThreadState:
       if self.modes:
         stack.enter_context(_announced(self.modes[-1]))
       for carried in self.carried:
-        manager = carried()
+        manager = carried(slot)
         if manager is not None:
           stack.enter_context(manager)
       yield

@@ -140,6 +140,45 @@ def test_unseeded_keras_random_in_towers_repeats_after_set_random_seed(mode):
   assert not np.array_equal(first[0][0], first[0][1])
 
 
+def test_layers_created_in_towers_are_named_as_in_the_calling_thread():
+  # Keras numbers default names per thread. A layer created in a tower was named by the
+  # counters of the pooled thread that ran the tower, which every earlier call from any
+  # thread had advanced: another thread's program got other names (and two threads
+  # calling at once got names that varied from run to run). Each calling thread now
+  # has counters per tower, so a program's names do not depend on what ran before it
+  # in other threads; each tower names its layer as tower 0 does.
+  import threading  # pylint: disable=g-import-not-at-top
+
+  def program(strategy):
+    names = []
+
+    def fn():
+      layer = keras.layers.Dense(2)
+      layer(tf.ones([1, 3]))
+      names.append((ds.get_tower_context().tower_id, layer.name))
+
+    with strategy.scope():
+      for _ in range(3):
+        strategy.call_for_each_tower(fn)
+    return names
+
+  def in_a_new_thread(make_strategy):
+    got = []
+    thread = threading.Thread(target=lambda: got.append(program(make_strategy())))
+    thread.start()
+    thread.join(timeout=120)
+    return got[0]
+
+  reference = in_a_new_thread(ds.DefaultStrategy)  # Named in the calling thread.
+  assert [name for _, name in reference] == ["dense", "dense_1", "dense_2"]
+  for make in (lambda: ds.MirroredStrategy(CPUS[:2]), lambda: ds.MirroredStrategy(CPUS[1:])):
+    names = in_a_new_thread(make)
+    towers = {tower for tower, _ in names}
+    assert [name for tower, name in names if tower == 0] == [n for _, n in reference]
+    for tower in towers:
+      assert [name for t, name in names if t == tower] == [n for _, n in reference]
+
+
 def _same(a, b):
   return len(a) == len(b) and all(
       len(x) == len(y) and all(np.array_equal(u, v) for u, v in zip(x, y, strict=True))

@@ -392,6 +392,34 @@ def test_keras_thread_globals_and_keras_global_seed_generator_and_set_keras_glob
   np.testing.assert_array_equal(replay.state.numpy(), after)
 
 
+def test_keras_name_counters_and_set_keras_name_counters():
+  import collections  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  mine = _tf_internal.keras_thread_globals()
+  saved = _tf_internal.keras_name_counters(mine)
+  try:
+    counters = collections.defaultdict(int)
+    _tf_internal.set_keras_name_counters(mine, counters)
+    assert keras.layers.Dense(1).name == "dense", _broke(
+        "set_keras_name_counters", f"Keras {keras.__version__} keeps its name counters "
+        "elsewhere")
+    assert keras.layers.Dense(1).name == "dense_1" and counters["dense"] == 2
+    assert _tf_internal.keras_name_counters(mine) is counters
+    names = []
+
+    def other_thread():  # Counting in this thread's counters from another thread.
+      own = _tf_internal.keras_thread_globals()
+      _tf_internal.set_keras_name_counters(own, counters)
+      names.append(keras.layers.Dense(1).name)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join(timeout=60)
+    assert names == ["dense_2"] and keras.layers.Dense(1).name == "dense_3"
+  finally:
+    _tf_internal.set_keras_name_counters(mine, saved)
+
+
 def test_keras_optimizer_step_count():
   variable = keras.Variable(np.ones([2], np.float32))
   plain = keras.optimizers.SGD(0.1)

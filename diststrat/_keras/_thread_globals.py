@@ -1,4 +1,5 @@
-"""Keras's global seed generator, shared by a strategy's towers with the calling thread.
+"""Keras's per-thread state in towers: the calling thread's seed generator, and name
+counters per tower of the calling thread.
 
 Keras 3 keeps its global state per thread, the global `SeedGenerator` among it: the one
 `keras.random.normal(shape)` (any `keras.random` draw without a seed) uses, made on the
@@ -17,8 +18,20 @@ draw without a seed (seeded from Python's `random`, as Keras seeds it), and it b
 the calling thread's when the tower that made it returns. Its state variable is then the
 strategy's, read in tower i > 0 with i hashed in as every `SeedGenerator`'s is
 (docs/keras.md, "Dropout and random layers").
+
+Keras also numbers the default names of new layers (`dense`, `dense_1`, ...) per
+thread. A layer created in a tower takes its name from counters of that tower: tower i
+of the calls one thread makes counts in one set of counters, kept in that thread's
+Keras state (`keras.backend.clear_session()` drops them with the rest), whichever
+pooled thread runs it. Counting in the pooled thread itself gave names that depended
+on which thread a tower got, which varies from run to run when two threads call
+`call_for_each_tower` at once. Every tower counts in its own set, so each tower gives
+the layer it creates the name tower 0 gives (the towers' variables must have the same
+names, docs/mirrored.md). A helper thread that runs the calling thread's code for it
+(a parameter-server worker's bounded step) counts in the calling thread's own counters.
 """
 
+import collections
 import contextlib
 
 from diststrat import _context
@@ -26,10 +39,14 @@ from diststrat import _tf_internal
 from diststrat.values import _variables
 
 
+# In the calling thread's Keras state: {slot: name counters of its tower `slot`}.
+_TOWER_COUNTERS = "diststrat_tower_name_counters"
+
+
 def capture():
   """In the calling thread: what a thread entering its state shares (see above)."""
   caller = _tf_internal.keras_thread_globals()
-  return lambda: None if caller is None else _shared_with(caller)
+  return lambda slot: None if caller is None else _shared_with(caller, slot)
 
 
 def _usable(generator, strategy):
@@ -41,11 +58,34 @@ def _usable(generator, strategy):
 
 
 @contextlib.contextmanager
-def _shared_with(caller):
+def _shared_with(caller, slot):
   own = _tf_internal.keras_thread_globals()
   if own is None or own is caller:
     yield
     return
+  with _tower_name_counters(caller, own, slot), _seed_generator(caller, own):
+    yield
+
+
+@contextlib.contextmanager
+def _tower_name_counters(caller, own, slot):
+  if slot is None:  # A helper running the calling thread's code: its own counters.
+    counters = _tf_internal.keras_name_counters(caller)
+  else:
+    towers = caller.setdefault(_TOWER_COUNTERS, {})
+    counters = towers.get(slot)
+    if counters is None:
+      counters = towers[slot] = collections.defaultdict(int)
+  saved = _tf_internal.keras_name_counters(own)
+  _tf_internal.set_keras_name_counters(own, counters)
+  try:
+    yield
+  finally:
+    _tf_internal.set_keras_name_counters(own, saved)
+
+
+@contextlib.contextmanager
+def _seed_generator(caller, own):
   strategy = _context.get_distribution_strategy()
   generator = _tf_internal.keras_global_seed_generator(caller)
   if generator is not None and not _usable(generator, strategy):

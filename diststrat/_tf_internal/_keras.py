@@ -21,12 +21,14 @@
 - Keras 3 keeps its global state (layer-name counters, the dtype policy, the global
   seed generator that `keras.random.*` draws from without a seed) per thread, with no
   public accessor for another thread's (`keras_thread_globals`,
-  `keras_global_seed_generator`, `set_keras_global_seed_generator`).
+  `keras_global_seed_generator`, `set_keras_global_seed_generator`,
+  `keras_name_counters`, `set_keras_name_counters`).
 
 Keras's modules are looked up among those already imported (a Keras variable being
 created means Keras is loaded), never imported here.
 """
 
+import collections
 import functools
 import inspect
 import os
@@ -109,6 +111,23 @@ def set_keras_global_seed_generator(thread_globals, generator):
   """Makes `generator` (a `SeedGenerator`, or None: Keras makes a new one when needed)
   the global seed generator of the thread whose `keras_thread_globals` these are."""
   thread_globals[_global_seed_generator_key()] = generator
+
+
+def keras_name_counters(thread_globals):
+  """The counters Keras numbers new objects' default names by (`dense`, `dense_1`, ...)
+  in the thread whose `keras_thread_globals` these are: a dict of prefix to count, made
+  as Keras makes it if that thread has none yet."""
+  counters = thread_globals.get("object_name_uids")
+  if counters is None:
+    counters = collections.defaultdict(int)
+    thread_globals["object_name_uids"] = counters
+  return counters
+
+
+def set_keras_name_counters(thread_globals, counters):
+  """Makes `counters` (from `keras_name_counters`) the name counters of the thread whose
+  `keras_thread_globals` these are."""
+  thread_globals["object_name_uids"] = counters
 
 
 def keras_optimizer_strategy(optimizer):

@@ -11,9 +11,10 @@ can build a `tf.function`), name scope, variable creator stack, control dependen
 op callbacks, plus the tower's device scope and `TowerContext`.
 
 Tower threads are pooled: a call takes idle threads from a process-wide pool, lowest
-numbered first (so tower i runs in the same thread call after call, and per-thread state
-such as Keras's layer-name counters evolves the same way on every run), and each tower
-gives its thread back before the calling thread sees it finish. TensorFlow keeps some
+numbered first (so tower i runs in the same thread call after call when one thread
+calls; which thread a tower gets does not change Keras's per-thread state in it, which
+follows the calling thread: _keras/_thread_globals.py), and each tower gives its thread
+back before the calling thread sees it finish. TensorFlow keeps some
 state of every thread that runs an op and never frees it (part of it outside Python's
 reach), so starting threads on every call would grow an eager loop's memory without
 bound; a pooled thread releases what it can when it ends. The pool holds as many threads
@@ -243,7 +244,7 @@ class _Tower:
       context = ThreadedTowerContext(self, self.runner.strategy, self.tower_id,
                                      self.runner.num_towers, self.device,
                                      self.batch_share)
-      with self.runner.captured.enter(device=self.device), \
+      with self.runner.captured.enter(device=self.device, slot=self.index), \
           self.runner.strategy._tower_scope(context):
         self.result = self._fn(*self._args, **self._kwargs)
     except _Aborted:
