@@ -179,6 +179,35 @@ def test_layers_created_in_towers_are_named_as_in_the_calling_thread():
       assert [name for t, name in names if t == tower] == [n for _, n in reference]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_created_in_a_tower_follows_the_calling_threads_dtype_policy(mode):
+  # Keras keeps the global dtype policy per thread: a layer created in a tower took the
+  # tower thread's default, float32, where the default strategy's computes in the
+  # policy the program set.
+  def run(strategy):
+    made = []
+
+    def fn(x):
+      if not made:
+        made.append(keras.layers.Dense(2, kernel_initializer="ones"))
+      return made[0](x)
+
+    step = _in_mode(lambda x: strategy.call_for_each_tower(fn, x), mode)
+    with strategy.scope():
+      out = step(tf.ones([2, 3]))
+    return made[0].dtype_policy.name, [o.dtype for o in strategy.unwrap(out)]
+
+  before = keras.config.dtype_policy()
+  keras.config.set_dtype_policy("mixed_bfloat16")
+  try:
+    reference = run(ds.DefaultStrategy())
+    got = run(ds.MirroredStrategy(CPUS[:2]))
+  finally:
+    keras.config.set_dtype_policy(before)
+  assert reference == ("mixed_bfloat16", [tf.bfloat16])
+  assert got == ("mixed_bfloat16", [tf.bfloat16] * 2)
+
+
 def _same(a, b):
   return len(a) == len(b) and all(
       len(x) == len(y) and all(np.array_equal(u, v) for u, v in zip(x, y, strict=True))

@@ -420,6 +420,31 @@ def test_keras_name_counters_and_set_keras_name_counters():
     _tf_internal.set_keras_name_counters(mine, saved)
 
 
+def test_keras_dtype_policy_and_set_keras_dtype_policy():
+  import threading  # pylint: disable=g-import-not-at-top
+  mine = _tf_internal.keras_thread_globals()
+  before = _tf_internal.keras_dtype_policy(mine)
+  keras.config.set_dtype_policy("mixed_bfloat16")
+  try:
+    policy = _tf_internal.keras_dtype_policy(mine)
+    assert getattr(policy, "name", None) == "mixed_bfloat16", _broke(
+        "keras_dtype_policy", f"Keras {keras.__version__} keeps its dtype policy elsewhere")
+    seen = []
+
+    def other_thread():  # Its own policy is the default, until given this thread's.
+      own = _tf_internal.keras_thread_globals()
+      seen.append(keras.layers.Dense(1).dtype_policy.name)
+      _tf_internal.set_keras_dtype_policy(own, policy)
+      seen.append(keras.layers.Dense(1).dtype_policy.name)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join(timeout=60)
+    assert seen == ["float32", "mixed_bfloat16"], _broke("set_keras_dtype_policy", seen)
+  finally:
+    _tf_internal.set_keras_dtype_policy(mine, before)
+
+
 def test_keras_optimizer_step_count():
   variable = keras.Variable(np.ones([2], np.float32))
   plain = keras.optimizers.SGD(0.1)

@@ -1,5 +1,5 @@
-"""Keras's per-thread state in towers: the calling thread's seed generator, and name
-counters per tower of the calling thread.
+"""Keras's per-thread state in towers: the calling thread's seed generator and dtype
+policy, and name counters per tower of the calling thread.
 
 Keras 3 keeps its global state per thread, the global `SeedGenerator` among it: the one
 `keras.random.normal(shape)` (any `keras.random` draw without a seed) uses, made on the
@@ -29,6 +29,10 @@ on which thread a tower got, which varies from run to run when two threads call
 the layer it creates the name tower 0 gives (the towers' variables must have the same
 names, docs/mirrored.md). A helper thread that runs the calling thread's code for it
 (a parameter-server worker's bounded step) counts in the calling thread's own counters.
+
+The global dtype policy (`keras.config.set_dtype_policy("mixed_bfloat16")`) is the
+calling thread's too: a layer created in a tower computes in it, as without a strategy
+(it was float32, a tower thread's own default).
 """
 
 import collections
@@ -63,8 +67,19 @@ def _shared_with(caller, slot):
   if own is None or own is caller:
     yield
     return
-  with _tower_name_counters(caller, own, slot), _seed_generator(caller, own):
+  with _tower_name_counters(caller, own, slot), _seed_generator(caller, own), \
+      _dtype_policy(caller, own):
     yield
+
+
+@contextlib.contextmanager
+def _dtype_policy(caller, own):
+  saved = _tf_internal.keras_dtype_policy(own)
+  _tf_internal.set_keras_dtype_policy(own, _tf_internal.keras_dtype_policy(caller))
+  try:
+    yield
+  finally:
+    _tf_internal.set_keras_dtype_policy(own, saved)
 
 
 @contextlib.contextmanager

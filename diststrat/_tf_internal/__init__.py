@@ -15,7 +15,7 @@ the job, in the module of its kind:
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running; its wait for pending eager work |
 | `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it; whether a checkpoint creates its save counter; a sliced assignment; whether a SavedModel is tracing; how a SavedModel describes wrapped values |
 | `_tapes` | recording on gradient tapes; whether one of this thread's tapes is recording |
-| `_keras` | Keras 3 variables, optimizers, per-output loss trackers, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable, and the delta of a Keras `assign_add`; a thread's Keras global state (its global seed generator, its name counters) |
+| `_keras` | Keras 3 variables, optimizers, per-output loss trackers, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable, and the delta of a Keras `assign_add`; a thread's Keras global state (its global seed generator, name counters and dtype policy) |
 | `_distribute_stack` | TensorFlow's per-thread distribution-mode stack (`tf.distribute.get_strategy()`) |
 | `_autograph` | letting diststrat's errors through AutoGraph; removing its generated files before `os._exit` |
 
@@ -70,6 +70,8 @@ from diststrat._tf_internal._keras import keras_global_seed_generator as keras_g
 from diststrat._tf_internal._keras import set_keras_global_seed_generator as set_keras_global_seed_generator
 from diststrat._tf_internal._keras import keras_name_counters as keras_name_counters
 from diststrat._tf_internal._keras import set_keras_name_counters as set_keras_name_counters
+from diststrat._tf_internal._keras import keras_dtype_policy as keras_dtype_policy
+from diststrat._tf_internal._keras import set_keras_dtype_policy as set_keras_dtype_policy
 from diststrat._tf_internal._keras import keras_optimizer_step_count as keras_optimizer_step_count
 from diststrat._tf_internal._keras import keras_in_stateless_scope as keras_in_stateless_scope
 from diststrat._tf_internal._keras import keras_model_strategy as keras_model_strategy
@@ -151,7 +153,8 @@ __all__ = [
     # Keras
     "called_by_keras_loss", "called_by_keras_trainer", "keras_backing_variable", "keras_optimizer_strategy", "keras_seed_generators",
     "keras_thread_globals", "keras_global_seed_generator", "set_keras_global_seed_generator",
-    "keras_name_counters", "set_keras_name_counters",
+    "keras_name_counters", "set_keras_name_counters", "keras_dtype_policy",
+    "set_keras_dtype_policy",
     "keras_optimizer_step_count", "keras_in_stateless_scope",
     "keras_model_strategy",
     "keras_model_on_stack",

@@ -18,11 +18,12 @@
   (`keras_variable_origin`).
 - Keras 3 writes a variable's `assign_add(delta)` as `assign(self + delta)`; the calling
   frames tell the delta (`keras_assign_increment`).
-- Keras 3 keeps its global state (layer-name counters, the dtype policy, the global
+- Keras 3 keeps its global state (layer-name counters, the global dtype policy, the global
   seed generator that `keras.random.*` draws from without a seed) per thread, with no
   public accessor for another thread's (`keras_thread_globals`,
   `keras_global_seed_generator`, `set_keras_global_seed_generator`,
-  `keras_name_counters`, `set_keras_name_counters`).
+  `keras_name_counters`, `set_keras_name_counters`, `keras_dtype_policy`,
+  `set_keras_dtype_policy`).
 
 Keras's modules are looked up among those already imported (a Keras variable being
 created means Keras is loaded), never imported here.
@@ -122,6 +123,18 @@ def keras_name_counters(thread_globals):
     counters = collections.defaultdict(int)
     thread_globals["object_name_uids"] = counters
   return counters
+
+
+def keras_dtype_policy(thread_globals):
+  """The global dtype policy (`keras.config.set_dtype_policy`) set in the thread whose
+  `keras_thread_globals` these are, or None (Keras's default: `keras.config.floatx()`)."""
+  return thread_globals.get("dtype_policy")
+
+
+def set_keras_dtype_policy(thread_globals, policy):
+  """Makes `policy` (from `keras_dtype_policy`) the global dtype policy of the thread
+  whose `keras_thread_globals` these are."""
+  thread_globals["dtype_policy"] = policy
 
 
 def set_keras_name_counters(thread_globals, counters):
