@@ -144,12 +144,13 @@ def test_layers_created_in_towers_are_named_as_in_the_calling_thread():
   # Keras numbers default names per thread. A layer created in a tower was named by the
   # counters of the pooled thread that ran the tower, which every earlier call from any
   # thread had advanced: another thread's program got other names (and two threads
-  # calling at once got names that varied from run to run). Each calling thread now
-  # has counters per tower, so a program's names do not depend on what ran before it
-  # in other threads; each tower names its layer as tower 0 does.
+  # calling at once got names that varied from run to run). Tower 0 counts in the
+  # calling thread's counters now, as the default strategy does, and each other tower
+  # in a copy, so it names its layer as tower 0 does.
   import threading  # pylint: disable=g-import-not-at-top
 
   def program(strategy):
+    keras.layers.Dense(1)  # The calling thread's own "dense".
     names = []
 
     def fn():
@@ -170,7 +171,7 @@ def test_layers_created_in_towers_are_named_as_in_the_calling_thread():
     return got[0]
 
   reference = in_a_new_thread(ds.DefaultStrategy)  # Named in the calling thread.
-  assert [name for _, name in reference] == ["dense", "dense_1", "dense_2"]
+  assert [name for _, name in reference] == ["dense_1", "dense_2", "dense_3"]
   for make in (lambda: ds.MirroredStrategy(CPUS[:2]), lambda: ds.MirroredStrategy(CPUS[1:])):
     names = in_a_new_thread(make)
     towers = {tower for tower, _ in names}

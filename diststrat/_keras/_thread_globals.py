@@ -1,5 +1,5 @@
 """Keras's per-thread state in towers: the calling thread's seed generator and dtype
-policy, and name counters per tower of the calling thread.
+policy, and its name counters (tower 0) or a copy of them (the other towers).
 
 Keras 3 keeps its global state per thread, the global `SeedGenerator` among it: the one
 `keras.random.normal(shape)` (any `keras.random` draw without a seed) uses, made on the
@@ -20,15 +20,15 @@ strategy's, read in tower i > 0 with i hashed in as every `SeedGenerator`'s is
 (docs/keras.md, "Dropout and random layers").
 
 Keras also numbers the default names of new layers (`dense`, `dense_1`, ...) per
-thread. A layer created in a tower takes its name from counters of that tower: tower i
-of the calls one thread makes counts in one set of counters, kept in that thread's
-Keras state (`keras.backend.clear_session()` drops them with the rest), whichever
-pooled thread runs it. Counting in the pooled thread itself gave names that depended
-on which thread a tower got, which varies from run to run when two threads call
-`call_for_each_tower` at once. Every tower counts in its own set, so each tower gives
-the layer it creates the name tower 0 gives (the towers' variables must have the same
-names, docs/mirrored.md). A helper thread that runs the calling thread's code for it
-(a parameter-server worker's bounded step) counts in the calling thread's own counters.
+thread. Tower 0 counts in the calling thread's counters, as the default strategy's
+tower (the calling thread itself) does, and every other tower in a copy of them taken
+when the call began, so each tower names the layers it creates as tower 0 does (the
+towers' variables must have the same names, docs/mirrored.md). Counting in the pooled
+thread itself gave names that depended on what that thread ran before, from any
+calling thread: they varied from run to run when two threads called
+`call_for_each_tower` at once. A helper thread that runs the calling thread's code for
+it (a parameter-server worker's bounded step, slot None) counts in the calling thread's
+counters too.
 
 The global dtype policy (`keras.config.set_dtype_policy("mixed_bfloat16")`) is the
 calling thread's too: a layer created in a tower computes in it, as without a strategy
@@ -43,14 +43,13 @@ from diststrat import _tf_internal
 from diststrat.values import _variables
 
 
-# In the calling thread's Keras state: {slot: name counters of its tower `slot`}.
-_TOWER_COUNTERS = "diststrat_tower_name_counters"
-
-
 def capture():
   """In the calling thread: what a thread entering its state shares (see above)."""
   caller = _tf_internal.keras_thread_globals()
-  return lambda slot: None if caller is None else _shared_with(caller, slot)
+  if caller is None:
+    return lambda slot: None
+  counters = collections.defaultdict(int, _tf_internal.keras_name_counters(caller))
+  return lambda slot: _shared_with(caller, slot, counters)
 
 
 def _usable(generator, strategy):
@@ -62,12 +61,14 @@ def _usable(generator, strategy):
 
 
 @contextlib.contextmanager
-def _shared_with(caller, slot):
+def _shared_with(caller, slot, counters_at_start):
   own = _tf_internal.keras_thread_globals()
   if own is None or own is caller:
     yield
     return
-  with _tower_name_counters(caller, own, slot), _seed_generator(caller, own), \
+  counters = (_tf_internal.keras_name_counters(caller) if not slot
+              else collections.defaultdict(int, counters_at_start))
+  with _name_counters(own, counters), _seed_generator(caller, own), \
       _dtype_policy(caller, own):
     yield
 
@@ -83,14 +84,7 @@ def _dtype_policy(caller, own):
 
 
 @contextlib.contextmanager
-def _tower_name_counters(caller, own, slot):
-  if slot is None:  # A helper running the calling thread's code: its own counters.
-    counters = _tf_internal.keras_name_counters(caller)
-  else:
-    towers = caller.setdefault(_TOWER_COUNTERS, {})
-    counters = towers.get(slot)
-    if counters is None:
-      counters = towers[slot] = collections.defaultdict(int)
+def _name_counters(own, counters):
   saved = _tf_internal.keras_name_counters(own)
   _tf_internal.set_keras_name_counters(own, counters)
   try:
