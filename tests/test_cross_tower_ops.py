@@ -707,8 +707,10 @@ def test_collective_keys_are_deterministic_and_never_reused():
               ("group", CPUS[1::-1]), ("instance",)]
   answers = []
   for keys in (first, second):
-    answers.append([keys.group_key(r[1]) if r[0] == "group" else keys.instance_key()
-                    for r in requests])
+    answer = []
+    for r in requests:
+      answer.append(keys.group_key(r[1]) if r[0] == "group" else keys.instance_key(answer[-1]))
+    answers.append(answer)
   assert answers[0] == answers[1]
   groups, instances = answers[0][0::2], answers[0][1::2]
   assert groups[0] == groups[2] != groups[1]  # a device set keeps its key, in any order
@@ -723,6 +725,37 @@ def test_collective_keys_are_deterministic_and_never_reused():
     keys.append({op.get_attr("instance_key") for op in graph.get_operations()
                  if op.type == "CollectiveReduce"})
   assert len(keys[0]) == len(keys[1]) == 1 and not keys[0] & keys[1]
+
+
+def test_collective_keys_across_processes_do_not_count_local_collectives():
+  """Keys of groups within one process came from the counters of the groups across
+  processes: a worker that ran a local collective (its measured default timed one, the
+  other worker's did not) built its next collective across workers with other keys."""
+  other_task = "/job:worker/replica:0/task:1/device:CPU:0"
+
+  def keys_of(fn, *args):
+    graph = tf.function(fn).get_concrete_function(*args).graph
+    return sorted({(op.get_attr("group_key"), op.get_attr("instance_key"))
+                   for op in graph.get_operations() if op.type == "CollectiveReduce"})
+
+  def across(x):  # This process's member of a group with another task's device.
+    return _collective.all_reduce([x], CPUS[:1], mean=False, timeout=0,
+                                  group=(CPUS[0], other_task))
+
+  ops = AllReduceCrossTowerOps("collective")
+  [(group, first)] = keys_of(across, tf.ones([2]))
+  local = keys_of(lambda x, y: list(ops.reduce("sum", PerDevice({CPUS[0]: x, CPUS[1]: y}))
+                                    .values), tf.ones([2]), tf.ones([2]))
+  assert keys_of(across, tf.ones([3])) == [(group, first + 1)]  # Next, as if none between.
+  assert len(local) == 1 and local[0][0] != group and local[0][1] != first + 1
+  # The group leader resolves every group of a cluster, a local one too: two processes'
+  # local groups get different keys, and neither takes a key of the groups across them.
+  own = [[f"/job:worker/replica:0/task:{t}/device:CPU:{i}" for i in (0, 1)] for t in (0, 1)]
+  plain, busy = _collective._Keys(), _collective._Keys()  # pylint: disable=protected-access
+  busy_local = busy.group_key(own[0])
+  assert plain.group_key(own[1]) != busy_local
+  assert plain.group_key(CPUS[:1] + [other_task]) == busy.group_key([other_task, CPUS[0]])
+  assert busy.group_key(list(reversed(own[0]))) == busy_local
 
 
 # --- docs -----------------------------------------------------------------------------

@@ -435,6 +435,28 @@ def _chief_saves_in_scope_fn(strategy, checkpoint_dir):
             "saves": int(checkpoint.save_counter.numpy())}
 
 
+def _local_collectives_fn(strategy):
+  """Each worker also reduces with local MirroredStrategies: worker 0's measured default
+  times every candidate, the collective all-reduce among them, worker 1's times none (its
+  budget too short, as under load); then both reduce with a local collective all-reduce.
+  Returns the totals, local and across workers, in turn."""
+  from diststrat.cross_tower_ops import _measured  # pylint: disable=import-outside-toplevel
+  _measured.MAX_SECONDS = 60.0 if strategy.is_chief else 0.0
+  measured = ds.MirroredStrategy(strategy.worker_devices)
+  collective = ds.MirroredStrategy(strategy.worker_devices,
+                                   cross_tower_ops=ds.cross_tower_ops.AllReduceCrossTowerOps(
+                                       "collective"))
+  totals = []
+  for s in (measured, strategy, collective, strategy):
+    with s.scope():
+      per_tower = s.call_for_each_tower(
+          lambda: tf.cast(ds.get_tower_context().tower_id, tf.float32) + 1.0)
+      totals.append(float(s.reduce("sum", per_tower).primary))
+  timed = [name for _, timings in _measured._choices.values()  # pylint: disable=protected-access
+           for name in timings]
+  return {"totals": totals, "timed_collective": any("'collective'" in n for n in timed)}
+
+
 def _touch(path):
   with open(path, "w"):
     pass
@@ -781,6 +803,25 @@ def test_the_chief_alone_saves_a_checkpoint_inside_the_scope(tmp_path):
   assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-2")
   for result in results:  # Towers 0 and 1 (one per worker): mean of s + 0 and s + 1.
     assert result == {"totals": [0.5, 1.5], "w": [3.0, 4.0], "saves": 2}, result
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(TIMEOUT)
+def test_local_collectives_in_a_worker_leave_the_keys_across_workers_in_step():
+  """A collective within one worker (a local MirroredStrategy's, timed by its measured
+  default only when its budget lasts) took keys from the counters of the collectives
+  across workers: the workers' next collective got other keys, and they waited for each
+  other until the collective timeout (ClusterError blaming the other worker). And two
+  workers' local groups got one group key, which the group leader refused ("joining a
+  group that is already full")."""
+  with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, result_timeout=TIMEOUT,
+                    strategy_kwargs={"collective_timeout": COLLECTIVE_TIMEOUT}) as c:
+    results = c.run_on_workers(_local_collectives_fn)
+  assert [r["timed_collective"] for r in results] == [True, False]
+  local = float(np.sum(np.arange(2) + 1.0))  # Each worker's 2 towers.
+  every = float(np.sum(np.arange(4) + 1.0))  # All 4 towers.
+  for r in results:
+    assert r["totals"] == [local, every, local, every], r
 
 
 @pytest.mark.processes

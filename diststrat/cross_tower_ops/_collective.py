@@ -17,43 +17,92 @@ order) and leave the members on other devices free (chained together they would 
 for each other). See docs/design/tensorflow_facts.md.
 """
 
+import hashlib
 import threading
 import typing
 
 from diststrat._tf import tf
 from diststrat import _tf_internal
 
-# tf.distribute numbers its groups and instances from 1. Starting far above lets both
-# libraries run collectives in one process without their keys meeting.
+# Keys of the groups that span processes (MultiWorkerMirroredStrategy's) and of their
+# instances. tf.distribute numbers its groups and instances from 1: starting far above lets
+# both libraries run collectives in one process without their keys meeting.
 _FIRST_GROUP_KEY = 100_000
 _FIRST_INSTANCE_KEY = 100_000_000
+# Keys of the groups within one process (the "collective" all-reduce of a
+# MirroredStrategy, such as one its measured default times) and of their instances.
+# They are kept apart from the keys above: whether a process runs such a collective may
+# depend on timing (the measured default times "collective" only if its budget lasts),
+# and the keys across processes must not move with it. A group's key is derived from its
+# devices, whose names hold the process's task, so the groups of different processes get
+# different keys: in a cluster the group leader (task 0) resolves every group, a local
+# one too, and two tasks' local groups under one key failed with "is joining a group
+# that is already full".
+_FIRST_LOCAL_GROUP_KEY = 1 << 30
+_LOCAL_GROUP_KEYS = (1 << 31) - 1 - _FIRST_LOCAL_GROUP_KEY  # Group keys are int32.
+_FIRST_LOCAL_INSTANCE_KEY = 1_000_000_000
+
+
+def _within_one_task(devices):
+  """True if every device of `devices` is in one task (job, replica, task): a group that
+  one process launches alone."""
+  tasks = {(spec.job, spec.replica, spec.task)
+           for spec in (tf.DeviceSpec.from_string(d) for d in devices)}
+  return len(tasks) == 1
 
 
 class _Keys:
-  """Hands out group and instance keys, deterministically in the order they are asked for.
+  """Hands out group and instance keys.
 
-  The same program asks in the same order, so it gets the same keys. A device set keeps
-  its group key for the life of the process; every new collective gets a new instance key.
+  Groups that span processes, and their instances, are numbered in the order they are
+  asked for, counting those only: every worker that builds the same collectives across
+  processes in the same order gets the same keys, whatever collectives it runs within
+  itself. A group within one process gets a key derived from its device names (unique to
+  its task), its instances numbers from a range of their own. A device set keeps its
+  group key for the life of the process; every new collective gets a new instance key.
   """
 
   def __init__(self):
     self._lock = threading.Lock()
     self._groups = {}
+    self._local_group_keys = set()
+    self._next_group = _FIRST_GROUP_KEY
     self._next_instance = _FIRST_INSTANCE_KEY
+    self._next_local_instance = _FIRST_LOCAL_INSTANCE_KEY
 
   def group_key(self, devices):
-    """The key of the group of `devices` (any order); the same in every process that
-    asks for its groups in the same order."""
+    """The key of the group of `devices` (any order): across processes, the same in
+    every process that asks for its groups across processes in the same order."""
     members = frozenset(devices)
     with self._lock:
-      if members not in self._groups:
-        self._groups[members] = _FIRST_GROUP_KEY + len(self._groups)
-      return self._groups[members]
+      key = self._groups.get(members)
+      if key is None:
+        if _within_one_task(members):
+          key = self._local_group_key(members)
+        else:
+          key = self._next_group
+          self._next_group += 1
+        self._groups[members] = key
+      return key
 
-  def instance_key(self):
+  def _local_group_key(self, members):
+    digest = hashlib.sha256("\n".join(sorted(members)).encode()).digest()
+    offset = int.from_bytes(digest[:8], "big") % _LOCAL_GROUP_KEYS
+    while _FIRST_LOCAL_GROUP_KEY + offset in self._local_group_keys:  # Two sets, one hash.
+      offset = (offset + 1) % _LOCAL_GROUP_KEYS
+    key = _FIRST_LOCAL_GROUP_KEY + offset
+    self._local_group_keys.add(key)
+    return key
+
+  def instance_key(self, group_key):
+    """A new instance key for a collective of the group `group_key`."""
     with self._lock:
-      key = self._next_instance
-      self._next_instance += 1
+      if group_key >= _FIRST_LOCAL_GROUP_KEY:
+        key = self._next_local_instance
+        self._next_local_instance += 1
+      else:
+        key = self._next_instance
+        self._next_instance += 1
       return key
 
 
@@ -150,7 +199,7 @@ def all_reduce(values, devices, mean, timeout, communication_hint="auto", group=
   """
   group = tuple(devices if group is None else group)
   group_key = _KEYS.group_key(group)
-  instance_key = _KEYS.instance_key()
+  instance_key = _KEYS.instance_key(group_key)
   results = []
   for value, device in zip(values, devices, strict=True):
     with tf.device(device):
@@ -193,8 +242,8 @@ def all_gather(value, device, group, timeout):
           f"gather() across worker processes carries numbers and booleans only: "
           f"TensorFlow's collectives cannot carry {value.dtype.name} values. Gather "
           "numbers (e.g. ids or codes) instead and map them back afterwards.")
-    group_size, group_key, instance_key = (len(group), _KEYS.group_key(group),
-                                           _KEYS.instance_key())
+    group_size, group_key = len(group), _KEYS.group_key(group)
+    instance_key = _KEYS.instance_key(group_key)
     if _tf_internal.in_while_loop():
       return back(_tf_internal.all_gather_v2(carrier, group_size, group_key, instance_key,
                                              timeout, ordering_token=_ordering_token()))
