@@ -1212,3 +1212,22 @@ def test_apply_gradients_in_merge_call_takes_all_reduced_copies_and_refuses_per_
   error = ValueError if mode == "eager" else tf.errors.InvalidArgumentError
   with pytest.raises(error, match="takes values mirrored over the devices it updates"):
     _apply_in_merge_call(STRATEGIES[name](), mode, lambda g: g)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_apply_gradients_in_merge_call_applies_all_reduced_non_finite_gradients(mode, bad):
+  """All-reduced gradients scaled in each tower are compared before update() takes them
+  as copies; a NaN or inf one (a diverging loss) compared unequal to itself and update()
+  refused it as values that differ (eager ValueError, traced InvalidArgumentError), where
+  the default strategy applies it."""
+
+  def non_finite(grads):
+    reduced = tf.distribute.get_replica_context().all_reduce("sum", grads)
+    return [g * bad for g in reduced]
+
+  expected = _apply_in_merge_call(STRATEGIES["default"](), mode, lambda g: [x * bad for x in g])
+  got = _apply_in_merge_call(STRATEGIES["mirrored2"](), mode, non_finite)
+  for copy in got:
+    np.testing.assert_array_equal(np.isnan(copy), np.isnan(expected[0]))
+    np.testing.assert_array_equal(copy[~np.isnan(copy)], expected[0][~np.isnan(expected[0])])

@@ -277,24 +277,30 @@ def _as_copies(x):
     return _wrapped.Mirrored(dict(zip(x.devices, values, strict=True)))
   first = values[0]
   if tf.executing_eagerly():
-    same = all(v.shape == first.shape and bool(tf.reduce_all(
-        tf.abs(tf.cast(v, tf.float64) - tf.cast(first, tf.float64))
-        <= 1e-6 + 1e-5 * tf.abs(tf.cast(first, tf.float64)))) for v in values[1:])
+    same = all(v.shape == first.shape and bool(tf.reduce_all(_same_values(v, first)))
+               for v in values[1:])
     return _wrapped.Mirrored(dict(zip(x.devices, values, strict=True))) if same else x
   checked = {}
   for device, v in zip(x.devices, values, strict=True):
     with tf.device(device):
-      check = tf.debugging.assert_less_equal(
-          tf.abs(tf.cast(v, tf.float64) - tf.cast(first, tf.float64)),
-          1e-6 + 1e-5 * tf.abs(tf.cast(first, tf.float64)),
-          message="update() (a Keras optimizer's apply_gradients in merge_call) takes "
-                  "values mirrored over the devices it updates, but was given one "
-                  "value per tower, and they differ. Combine the towers' values first: "
-                  "strategy.reduce('sum' or 'mean', value, destinations=var), or call "
-                  "apply_gradients in the towers")
+      check = tf.debugging.Assert(tf.reduce_all(_same_values(v, first)), [
+          "update() (a Keras optimizer's apply_gradients in merge_call) takes values "
+          "mirrored over the devices it updates, but was given one value per tower, and "
+          "they differ. Combine the towers' values first: strategy.reduce('sum' or "
+          "'mean', value, destinations=var), or call apply_gradients in the towers"])
       with tf.control_dependencies([check]):
         checked[device] = tf.identity(v)
   return _wrapped.Mirrored(checked)
+
+
+def _same_values(v, first):
+  """Elementwise: whether `v` and `first` are copies of one value, up to float rounding.
+  Equal infinities, and NaN in both, are the same value: a diverging loss's gradients,
+  all-reduced and then scaled in every tower, are still copies."""
+  v, first = tf.cast(v, tf.float64), tf.cast(first, tf.float64)
+  both_nan = tf.logical_and(tf.math.is_nan(v), tf.math.is_nan(first))
+  close = tf.abs(v - first) <= 1e-6 + 1e-5 * tf.abs(first)
+  return tf.logical_or(tf.logical_or(tf.equal(v, first), both_nan), close)
 
 
 # The gradient of the replica context's reductions inside a graph (see _with_gradient):
