@@ -880,6 +880,23 @@ def test_a_tape_around_eager_towers_raises_instead_of_a_none_gradient():
         assert float(own_api(s, tf.reduce_sum)) == 4 * 36.0  # x is every tower's.
 
 
+def test_an_accumulator_or_minimize_around_eager_towers_is_named_in_the_error():
+  """The error for a recording tape around eager towers named only a tf.GradientTape the
+  caller entered, with its fix: also raised for a tf.autodiff.ForwardAccumulator (whose
+  jvp of the towers' results is None as well) and for an optimizer's minimize(loss_fn)
+  whose loss_fn calls the towers (its own tape), where there is no tape to move."""
+  s = strategy(2)
+  with s.scope():
+    v = tf.Variable(1.0)
+    with pytest.raises(ds.errors.ContextError, match="tf.autodiff.ForwardAccumulator"):
+      with tf.autodiff.ForwardAccumulator(v, tf.constant(1.0)):
+        s.call_for_each_tower(lambda: v * 2.0)
+    optimizer = ds.optimizers.GradientDescent(0.1)
+    with pytest.raises(ds.errors.ContextError, match="minimize"):
+      optimizer.minimize(lambda: s.unwrap(s.reduce("sum", s.call_for_each_tower(
+          lambda: v * 2.0)))[0], var_list=[v])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_strategy_that_reduced_is_freed_without_a_garbage_collection(mode):
   """A dropped strategy waited for a garbage collection: it and its default reduction

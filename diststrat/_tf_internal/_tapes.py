@@ -35,7 +35,8 @@ def stop_recording():
 
 
 def gradient_tape_recording():
-  """True when a gradient tape of this thread is recording (entered, not paused).
+  """True when a gradient tape (or a forward accumulator) of this thread is recording
+  (entered, not paused).
 
   Tapes are per thread: a tower thread's ops are never recorded on a tape of the
   thread that started it. No public API tells whether any tape is active.

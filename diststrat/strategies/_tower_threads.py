@@ -349,12 +349,15 @@ class TowerRunner:
       fn = autograph_tower_fn(fn)
     elif _tf_internal.gradient_tape_recording():
       raise errors.ContextError(
-          f"call_for_each_tower() of {self.strategy!r} was called while a tf.GradientTape of "
-          "the calling thread was recording. Each tower runs in a thread of its own, and a "
-          "tape records only the ops of its own thread: tape.gradient() would be None for "
-          "everything the towers computed. Enter the tape inside the tower function (the "
-          "function given to call_for_each_tower or strategy.run): compute the loss and "
-          "tape.gradient() there, as tf.distribute requires too.")
+          f"call_for_each_tower() of {self.strategy!r} was called while a tf.GradientTape "
+          "(or a tf.autodiff.ForwardAccumulator) of the calling thread was recording. Each "
+          "tower runs in a thread of its own, and a tape records only the ops of its own "
+          "thread: tape.gradient() (or accumulator.jvp()) would be None for everything the "
+          "towers computed. Enter the tape inside the tower function (the function given "
+          "to call_for_each_tower or strategy.run): compute the loss and tape.gradient() "
+          "there, as tf.distribute requires too. An optimizer's minimize(loss_fn) records "
+          "loss_fn on a tape of its own: call minimize in the tower function, with a "
+          "loss_fn that computes the tower's loss.")
     shares = _wrapped.batch_shares((args, kwargs)) or {}
     towers = [_Tower(self, i, d, fn, *self._tower_arguments(d, args, kwargs), shares.get(d))
               for i, d in enumerate(self.devices)]
