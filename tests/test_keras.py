@@ -875,6 +875,36 @@ def test_a_strategy_whose_towers_differentiated_all_gather_in_a_tf_function_is_f
   assert variable() is None
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_all_reduce_of_floats_with_integers_keeps_the_floats_gradient(mode):
+  """all_reduce of a structure mixing float and integer tensors (a loss and an example
+  count) was not differentiable at all: tape.gradient through its float part was None,
+  where tf.distribute's (and all_gather's) gradient covers the float leaves. Reference:
+  the float reduced alone."""
+  s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with s.scope():
+    v = tf.Variable([1.0, 2.0])
+
+  def tower(with_count):
+    ctx = tf.distribute.get_replica_context()
+    with tf.GradientTape() as tape:
+      x = v * tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+      if with_count:
+        reduced, count = ctx.all_reduce("sum", (x, tf.size(x)))
+      else:
+        reduced, count = ctx.all_reduce("sum", x), None
+      loss = tf.reduce_sum(reduced * reduced)
+    return tape.gradient(loss, v), count
+
+  with s.scope():
+    expected, _ = _in_mode(lambda: s.call_for_each_tower(tower, False), mode)()
+    got, count = _in_mode(lambda: s.call_for_each_tower(tower, True), mode)()
+  assert [int(c) for c in count.values] == [4, 4]
+  assert got is not None  # The towers' gradients were None.
+  for g, e in zip(got.values, expected.values, strict=True):
+    np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-6)
+
+
 @pytest.mark.parametrize("method", ["all_reduce", "all_gather"])
 def test_tf_gradients_of_a_replica_context_reduction_in_a_tower_match_a_tape(method):
   """tf.gradients inside a traced tower goes through the reductions' gradient as a tape

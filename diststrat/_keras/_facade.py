@@ -156,21 +156,24 @@ class ReplicaContextAdapter:
       # The token, one object for every tower, marks the results as one reduction's.
       return tuple(_all_reduced(strategy, op, leaves)) + (object(),)
 
-    if not all(isinstance(v, tf.Tensor) and v.dtype.is_floating for v in flat):
-      *reduced, token = self._merged(merge_fn, *flat)
-      _remember_copies(reduced, token)
-      return _wrapped.pack_as(value, reduced)
-
-    context = weakref.ref(self)  # Held weakly by the gradient: see _gradient_context.
-
-    def backward(leaves, upstream):
-      del leaves
-      return tuple(_gradient_context(context, "all_reduce")._merged(merge_fn, *upstream)[:-1])
-
     *reduced, token = self._merged(merge_fn, *flat)
-    results = _with_gradient("AllReduce", reduced, flat, backward)
-    _remember_copies(results, token)
-    return _wrapped.pack_as(value, results)
+    # The float tensors get a gradient, also among integers (as all_gather's, and
+    # tf.distribute's): the same reduction of the towers' upstream gradients.
+    floats = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor) and v.dtype.is_floating]
+    if floats:
+      context = weakref.ref(self)  # Held weakly by the gradient: see _gradient_context.
+
+      def backward(leaves, upstream):
+        del leaves
+        return tuple(
+            _gradient_context(context, "all_reduce")._merged(merge_fn, *upstream)[:-1])
+
+      differentiable = _with_gradient("AllReduce", [reduced[i] for i in floats],
+                                      [flat[i] for i in floats], backward)
+      for i, result in zip(floats, differentiable, strict=True):
+        reduced[i] = result
+    _remember_copies(reduced, token)
+    return _wrapped.pack_as(value, reduced)
 
   def all_gather(self, value, axis, options=None):
     """Every tower's `value` (a tensor or a structure of them) concatenated along `axis`
