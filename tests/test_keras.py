@@ -876,6 +876,45 @@ def test_a_strategy_whose_towers_differentiated_all_gather_in_a_tf_function_is_f
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["all_reduce", "all_gather"])
+def test_forward_mode_through_a_replica_context_reduction_raises(method, mode):
+  """A tf.autodiff.ForwardAccumulator watching what a tower reduces gave the reduction's
+  result no tangent: jvp() None eagerly, zeros in a tf.function, where the default
+  strategy gives the tangent. The reduction runs in merge_call, in another thread,
+  which the tower's accumulators do not see: it raises NotImplementedError naming
+  tf.GradientTape instead. Reverse mode (the reference) gives the derivative."""
+  s = ds.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with s.scope():
+    v = tf.Variable([1.0, 2.0])
+
+  def reduce(ctx, x):
+    return ctx.all_reduce("sum", x) if method == "all_reduce" else ctx.all_gather(x, axis=0)
+
+  def forward():
+    ctx = tf.distribute.get_replica_context()
+    with tf.autodiff.ForwardAccumulator(v, tf.constant([1.0, 0.0])) as acc:
+      out = reduce(ctx, v * 2.0)
+    return acc.jvp(out)
+
+  def reverse():
+    ctx = tf.distribute.get_replica_context()
+    with tf.GradientTape() as tape:
+      out = reduce(ctx, v * 2.0)
+    return tape.gradient(out, v)
+
+  def unwatched():  # An accumulator watching something else: the reduction runs.
+    ctx = tf.distribute.get_replica_context()
+    with tf.autodiff.ForwardAccumulator(tf.constant(1.0), tf.constant(1.0)):
+      return reduce(ctx, v * 2.0)
+
+  with s.scope():
+    assert _in_mode(lambda: s.call_for_each_tower(reverse), mode)() is not None
+    assert _in_mode(lambda: s.call_for_each_tower(unwatched), mode)() is not None
+    with pytest.raises(NotImplementedError, match="tf.GradientTape"):
+      _in_mode(lambda: s.call_for_each_tower(forward), mode)()
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_all_reduce_of_floats_with_integers_keeps_the_floats_gradient(mode):
   """all_reduce of a structure mixing float and integer tensors (a loss and an example
   count) was not differentiable at all: tape.gradient through its float part was None,

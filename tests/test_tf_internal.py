@@ -1573,3 +1573,18 @@ def test_gradient_tape_recording():
       assert not _tf_internal.gradient_tape_recording(), _broke(
           "gradient_tape_recording", "a paused tape is seen as recording")
   assert not _tf_internal.gradient_tape_recording()
+
+
+def test_forward_accumulator_watching():
+  x, y = tf.constant(1.0), tf.constant(2.0)
+  assert not _tf_internal.forward_accumulator_watching([x])
+  with tf.autodiff.ForwardAccumulator(x, tf.constant(1.0)):
+    z = x * 3.0
+    assert _tf_internal.forward_accumulator_watching([y, z]), _broke(
+        "forward_accumulator_watching", "a tensor with a tangent is not seen")
+    assert not _tf_internal.forward_accumulator_watching([y]), _broke(
+        "forward_accumulator_watching", "a tensor without a tangent is seen")
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    assert not _tf_internal.forward_accumulator_watching([x]), _broke(
+        "forward_accumulator_watching", "a tape's watched tensor is taken for a tangent")

@@ -342,6 +342,16 @@ def _with_gradient(name, outputs, leaves, backward):
   outputs, leaves = list(outputs), list(leaves)
   if not outputs:
     return outputs
+  if _tf_internal.forward_accumulator_watching(leaves) and \
+      not _tf_internal.forward_accumulator_watching(outputs):
+    method = {"AllReduce": "all_reduce", "AllGather": "all_gather"}.get(name, name)
+    raise NotImplementedError(
+        f"A tower's {method}() was given a value that a tf.autodiff.ForwardAccumulator "
+        "watches: forward-mode differentiation through the replica context's reductions "
+        "is not supported (they run in merge_call, in another thread, which the tower's "
+        "accumulators do not see: the result would have no tangent). Use a "
+        "tf.GradientTape (reverse mode) in the tower function, or compute the JVP "
+        "outside the towers.")
   if tf.executing_eagerly():
     results = [tf.identity(t) for t in outputs]
   else:

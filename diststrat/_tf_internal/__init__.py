@@ -14,7 +14,7 @@ the job, in the module of its kind:
 | `_functions` | calling a traced function with a flat list of tensors; a `tf.function`'s XLA flag, and a copy of its options around another function |
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running; its wait for pending eager work |
 | `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it; whether a checkpoint creates its save counter; a sliced assignment; whether a SavedModel is tracing; how a SavedModel describes wrapped values |
-| `_tapes` | recording on gradient tapes; whether one of this thread's tapes is recording |
+| `_tapes` | recording on gradient tapes; whether one of this thread's tapes is recording, or one of its forward accumulators watches a tensor |
 | `_keras` | Keras 3 variables, optimizers, per-output loss trackers, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable, and the delta of a Keras `assign_add`; a thread's Keras global state (its global seed generator, name counters and dtype policy) |
 | `_distribute_stack` | TensorFlow's per-thread distribution-mode stack (`tf.distribute.get_strategy()`) |
 | `_autograph` | letting diststrat's errors through AutoGraph; removing its generated files before `os._exit` |
@@ -85,6 +85,7 @@ from diststrat._tf_internal._keras import restore_keras_backup_dir as restore_ke
 from diststrat._tf_internal._keras import set_keras_backup_dir as set_keras_backup_dir
 from diststrat._tf_internal._keras import wrap_keras_symbolic_build as wrap_keras_symbolic_build
 from diststrat._tf_internal._tapes import gradient_tape_recording as gradient_tape_recording
+from diststrat._tf_internal._tapes import forward_accumulator_watching as forward_accumulator_watching
 from diststrat._tf_internal._tapes import record_backward as record_backward
 from diststrat._tf_internal._tapes import record_variable_read as record_variable_read
 from diststrat._tf_internal._tapes import should_record as should_record
@@ -148,7 +149,7 @@ __all__ = [
     "install_saved_model_device_rule", "save_as_tuple_of_components",
     "creating_checkpoint_save_counter",
     # tapes
-    "gradient_tape_recording", "record_backward", "stop_recording", "should_record", "variable_accessed",
+    "gradient_tape_recording", "forward_accumulator_watching", "record_backward", "stop_recording", "should_record", "variable_accessed",
     "record_variable_read",
     # Keras
     "called_by_keras_loss", "called_by_keras_trainer", "keras_backing_variable", "keras_optimizer_strategy", "keras_seed_generators",

@@ -1,4 +1,5 @@
-"""Gradient tapes: recording an operation, pausing recording, marking a variable read.
+"""Gradient tapes: recording an operation, pausing recording, marking a variable read,
+whether a forward accumulator watches a tensor.
 
 - The pipeline (diststrat/pipeline) runs its own backward schedule: it records one tape
   entry whose inputs it chooses (`record_backward`, `should_record`) and pauses every
@@ -11,6 +12,10 @@
   the value as a function of the variable's handle (`record_variable_read`).
   `tf.custom_gradient` around the handle still needs the first, and fails for forward
   accumulators in a graph ("dtype resource is not compatible").
+- The replica context's reductions in the tf.distribute bridge (diststrat/_keras/_facade.py)
+  run in `merge_call`, in another thread, which no forward accumulator of the tower's
+  thread sees: they refuse a tower value an accumulator watches
+  (`forward_accumulator_watching`) instead of giving it no tangent.
 """
 
 from tensorflow.python import pywrap_tfe as _pywrap_tfe  # pylint: disable=g-direct-tensorflow-import
@@ -42,6 +47,15 @@ def gradient_tape_recording():
   thread that started it. No public API tells whether any tape is active.
   """
   return _record.could_possibly_record() and not _pywrap_tfe.TFE_Py_TapeSetIsStopped()
+
+
+def forward_accumulator_watching(tensors):
+  """True when a forward accumulator (`tf.autodiff.ForwardAccumulator`) of this thread
+  has a tangent for one of `tensors`. No public API tells it but asking for a JVP,
+  which needs the accumulator object."""
+  if not _record.could_possibly_record():
+    return False
+  return bool(_pywrap_tfe.TFE_Py_PackJVPs(list(tensors))[1])
 
 
 def should_record(tensors):
