@@ -877,6 +877,45 @@ def test_a_strategy_whose_towers_differentiated_all_gather_in_a_tf_function_is_f
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", ["all_reduce", "all_gather"])
+def test_a_gradient_of_the_gradient_of_a_replica_context_reduction_matches_tf_distribute(
+    method, mode):
+  """A gradient penalty differentiates a tower's gradient, which went through all_reduce
+  (a synchronized BatchNormalization's) or all_gather: the reduction's gradient ran in
+  merge_call, in another thread, so the outer tape saw none of it and the second-order
+  gradient was None, where tf.distribute's gradient is itself differentiable."""
+  devices = ["/cpu:0", "/cpu:1"]
+
+  def tower_fn(v):
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      with tf.GradientTape() as outer:
+        with tf.GradientTape() as inner:
+          x = v * tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+          out = ctx.all_reduce("sum", x) if method == "all_reduce" else ctx.all_gather(
+              x, axis=0)
+          loss = tf.reduce_sum(out * out * out)
+        grad = inner.gradient(loss, v)
+        penalty = tf.reduce_sum(grad * grad)
+      return grad, outer.gradient(penalty, v)
+    return fn
+
+  reference = tf.distribute.MirroredStrategy(
+      devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+  with reference.scope():
+    w = tf.Variable([1.0, 2.0])
+  expected = tf.function(lambda: reference.run(tower_fn(w)))()
+  s = ds.MirroredStrategy(devices)
+  with s.scope():
+    v = tf.Variable([1.0, 2.0])
+    got = _in_mode(lambda: s.call_for_each_tower(tower_fn(v)), mode)()
+  for g, e in zip(got, expected, strict=True):
+    assert g is not None  # The second-order gradient was None.
+    for tower_got, tower_expected in zip(g.values, e.values, strict=True):
+      np.testing.assert_allclose(tower_got.numpy(), tower_expected.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["all_reduce", "all_gather"])
 def test_forward_mode_through_a_replica_context_reduction_raises(method, mode):
   """A tf.autodiff.ForwardAccumulator watching what a tower reduces gave the reduction's
   result no tangent: jvp() None eagerly, zeros in a tf.function, where the default

@@ -165,8 +165,10 @@ class ReplicaContextAdapter:
 
       def backward(leaves, upstream):
         del leaves
-        return tuple(
-            _gradient_context(context, "all_reduce")._merged(merge_fn, *upstream)[:-1])
+        grads = _gradient_context(context, "all_reduce")._merged(merge_fn, *upstream)[:-1]
+        # A tape recording this gradient (a gradient of it: a gradient penalty) gets its
+        # gradient: the same reduction again.
+        return tuple(_differentiable_if_recorded("AllReduce", grads, upstream, backward))
 
       differentiable = _with_gradient("AllReduce", [reduced[i] for i in floats],
                                       [flat[i] for i in floats], backward)
@@ -213,11 +215,23 @@ class ReplicaContextAdapter:
 
       context = weakref.ref(self)  # Held weakly by the gradient: see _gradient_context.
 
+      def sum_fn(strategy, *upstream):
+        return tuple(strategy.batch_reduce("sum", [(u, None) for u in upstream]))
+
+      def sum_backward(leaves, upstream):
+        # The towers' upstream gradients summed: the gradient of that sum is again one.
+        del leaves
+        totals = _gradient_context(context, "all_gather")._merged(sum_fn, *upstream)
+        return tuple(_differentiable_if_recorded("AllGatherGrad", totals, upstream,
+                                                 sum_backward))
+
       def backward(leaves, upstream):
         own = [tf.reshape(tf.shape(leaf)[a], [1]) for leaf, a in
                zip(leaves, float_axes, strict=True)]
         totals, sizes = _gradient_context(context, "all_gather")._merged(
             backward_fn, tuple(upstream), tuple(own))
+        # A tape recording this gradient gets its gradient (the slices below it sees).
+        totals = _differentiable_if_recorded("AllGatherGrad", totals, upstream, sum_backward)
         # This tower's part starts after the parts of the towers before it.
         return tuple(
             tf.gather(total, tf.range(tf.reduce_sum(size[:tower_id]),
@@ -363,6 +377,17 @@ def _with_gradient(name, outputs, leaves, backward):
   _tf_internal.record_backward(name, results, leaves,
                                lambda *upstream: backward(leaves, upstream))
   return results
+
+
+def _differentiable_if_recorded(name, outputs, upstream, backward):
+  """`outputs`, a reduction's gradient computed by `merge_call` from this tower's
+  `upstream`, recorded as `_with_gradient` records a reduction when a tape of this thread
+  watches `upstream` (a tape around `tape.gradient`: a gradient of the gradient), which
+  it could not see otherwise; else `outputs` as they are."""
+  upstream = list(upstream)
+  if all(isinstance(u, tf.Tensor) for u in upstream) and _tf_internal.should_record(upstream):
+    return _with_gradient(name, outputs, upstream, backward)
+  return list(outputs)
 
 
 def _gradient_context(context, method):
