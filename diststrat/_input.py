@@ -62,10 +62,19 @@ class PerDeviceDataset:
     return iter(self)
 
 
-class PerDeviceIterator:
-  """Iterator of a `PerDeviceDataset`: `next(it)` or `it.get_next()`."""
+class PerDeviceIterator(tf.Module):
+  """Iterator of a `PerDeviceDataset`: `next(it)` or `it.get_next()`.
+
+  It can be checkpointed like a tf.data iterator (`tf.train.Checkpoint(iterator=it)`,
+  also with `tf.train.CheckpointManager`): its state is the position in the dataset of
+  global batches, so restoring it, also into an iterator of the same dataset made by
+  another strategy or another number of towers, resumes with the next global batch.
+  """
 
   def __init__(self, iterator, devices, share=None):
+    # A tf.Module, so checkpoints track the tf.data iterator (its state is saved as a
+    # plain tf.data iterator's, under this object).
+    super().__init__(name="per_device_iterator")
     self._iterator = iterator
     self._devices = devices
     self._first, self._total = share or (0, len(devices or ()))

@@ -264,3 +264,88 @@ def test_get_next_as_optional_runs_a_ragged_last_batch_and_stops_as_tf_data(towe
   assert count == expected_count == 3
   np.testing.assert_allclose(total, expected_total, rtol=1e-5)
   np.testing.assert_allclose(w, expected_w, rtol=1e-5, atol=1e-6)
+
+
+def _checkpointed_dataset():
+  return (tf.data.Dataset.range(48).map(lambda i: tf.cast(i, tf.float32))
+          .shuffle(16, seed=3).batch(4))
+
+
+def _batch_reader(strategy, towers, mode):
+  """A function giving the next global batch of an iterator, as a numpy array."""
+  def read(it):
+    batch = next(it)
+    return batch if towers is None else tf.concat(strategy.unwrap(batch), 0)
+  if mode == "function":
+    read = tf.function(read)
+  return lambda it: read(it).numpy().tolist()
+
+
+def _save_read_restore(it, read, write, restore, new_it, new_read):
+  """Two batches, a save, three more, a restore, two more; then two more from a new
+  iterator restored from the same save."""
+  before = [read(it) for _ in range(2)]
+  write(it)
+  after_save = [read(it) for _ in range(3)]
+  restore(it)
+  resumed = [read(it) for _ in range(2)]
+  restore(new_it)
+  return before, after_save, resumed, [new_read(new_it) for _ in range(2)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("towers,new_towers", [(None, None), (2, 2), (4, 4), (2, 4), (4, None)])
+def test_a_checkpointed_iterator_resumes_as_a_tf_data_iterator(towers, new_towers, mode, tmp_path):
+  """`tf.train.Checkpoint(iterator=iter(data))` raised ValueError (not trackable): a
+  custom loop could not save its place in the data. It now saves and restores it as a
+  tf.data iterator does, also into an iterator of another strategy."""
+  def strategy(n):
+    return ds.DefaultStrategy() if n is None else ds.MirroredStrategy(CPUS[:n])
+
+  def distributed(n):
+    s = strategy(n)
+    with s.scope():
+      return s, s.distribute_dataset(_checkpointed_dataset)
+
+  def run(it, read, new_it, new_read, prefix):
+    saved = {}
+
+    def write(it):
+      saved["path"] = tf.train.Checkpoint(iterator=it).write(str(tmp_path / prefix))
+
+    def restore(it):
+      tf.train.Checkpoint(iterator=it).read(saved["path"]).assert_consumed()
+
+    return _save_read_restore(it, read, write, restore, new_it, new_read)
+
+  s, data = distributed(towers)
+  new_s, new_data = distributed(new_towers)
+  got = run(iter(data), _batch_reader(s, towers, mode), iter(new_data),
+            _batch_reader(new_s, new_towers, mode), "distributed")
+  plain = _batch_reader(None, None, mode)
+  expected = run(iter(_checkpointed_dataset()), plain, iter(_checkpointed_dataset()), plain,
+                 "plain")
+  assert got == expected, (got, expected)
+  assert expected[2] == expected[1][:2]  # The restore did go back.
+
+
+def test_a_distributed_iterator_resumes_with_a_checkpoint_manager(tmp_path):
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    data = s.distribute_dataset(_checkpointed_dataset)
+
+  def run(make_iterator, read, directory):
+    it = make_iterator()
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(iterator=it), directory, 2)
+    before = [read(it) for _ in range(2)]
+    manager.save()
+    after_save = [read(it) for _ in range(3)]
+    new_it = make_iterator()
+    new_manager = tf.train.CheckpointManager(tf.train.Checkpoint(iterator=new_it), directory, 2)
+    new_manager.restore_or_initialize()
+    return before, after_save, [read(new_it) for _ in range(3)]
+
+  got = run(lambda: iter(data), _batch_reader(s, 2, "eager"), str(tmp_path / "distributed"))
+  expected = run(lambda: iter(_checkpointed_dataset()), _batch_reader(None, None, "eager"),
+                 str(tmp_path / "plain"))
+  assert got == expected and expected[2] == expected[1], (got, expected)
