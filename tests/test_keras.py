@@ -1166,6 +1166,50 @@ def test_run_converts_the_replica_function_with_autograph_as_tf_distribute_does(
   np.testing.assert_allclose(got, expected)
 
 
+class _ThresholdStep:
+  """A callable object as a replica function: its `__call__` branches on a tensor."""
+
+  def __init__(self, model):
+    self.model = model
+
+  def __call__(self, part):
+    total = tf.reduce_sum(self.model(part))
+    if total > 10.0:
+      total = total * 10.0
+    return total
+
+
+@pytest.mark.parametrize("name", ["default", "mirrored2", "mirrored4"])
+def test_run_converts_a_callable_object_and_runs_a_keras_model_as_a_tf_function_does(name):
+  """`run(obj)` with a callable object, in a tf.function, ran its `__call__` without
+  AutoGraph (a Python `if` on a tensor raised OperatorNotAllowedInGraphError), while a
+  tf.function calling the object converts it. A Keras model given to `run` itself still
+  runs as Keras runs it (Keras's own call, not converted by diststrat)."""
+  strategy = STRATEGIES[name]()
+  batch = tf.reshape(tf.range(8, dtype=tf.float32), [8, 1])
+
+  def make_model():
+    return keras.Sequential([keras.Input((1,)), keras.layers.Dense(2, kernel_initializer="ones")])
+
+  def towers_results(fn):
+    @tf.function
+    def run():
+      adapter = tf.distribute.get_strategy()
+      return adapter.experimental_local_results(adapter.run(fn, args=(batch,)))
+    return [t.numpy().tolist() for t in run()]
+
+  with strategy.scope():
+    model = make_model()
+    got_object = towers_results(_ThresholdStep(model))
+    got_model = towers_results(model)
+  parts = np.array_split(np.arange(8), strategy.num_towers)
+  step = _ThresholdStep(model)
+  expected_object = [float(tf.function(step)(batch[p[0]:p[-1] + 1])) for p in parts]
+  expected_model = [tf.function(model)(batch[p[0]:p[-1] + 1]).numpy().tolist() for p in parts]
+  np.testing.assert_allclose(got_object, expected_object)
+  assert got_model == expected_model
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["mirrored1", "mirrored2", "mirrored4"])
 def test_run_returns_per_replica_values_as_tf_distribute_does(name, mode):

@@ -751,6 +751,44 @@ def test_tower_function_gets_autograph_in_tf_function():
     assert [float(v) for v in step(tf.constant(-2.0))] == [2.0, 2.0]
 
 
+class _ScaleOrNegate:
+  """A callable object whose `__call__` branches on a tensor."""
+
+  def __init__(self, scale):
+    self.scale = scale
+
+  def __call__(self, x):
+    if tf.reduce_sum(x) > 0:  # A tensor condition: needs AutoGraph inside tf.function.
+      y = x * self.scale
+    else:
+      y = -x
+    for i in tf.range(2):  # A loop over a tensor.
+      y += tf.cast(i, tf.float32)
+    return y
+
+
+@pytest.mark.parametrize("towers", [None, 2, 4])
+def test_a_callable_object_as_tower_function_gets_autograph_as_without_a_strategy(towers):
+  """A callable object given to call_for_each_tower in a tf.function was not converted
+  by AutoGraph (a function or a bound method was): its `if` on a tensor raised
+  OperatorNotAllowedInGraphError. A tf.function calling it converts it."""
+  fn = _ScaleOrNegate(3.0)
+  s = ds.DefaultStrategy() if towers is None else strategy(towers)
+
+  @tf.function
+  def step(x):
+    return s.unwrap(s.call_for_each_tower(fn, x))
+
+  @tf.function
+  def plain(x):
+    return fn(x)
+
+  with s.scope():
+    for v in (2.0, -2.0):
+      got = [float(t) for t in step(tf.constant(v))]
+      assert got == [float(plain(tf.constant(v)))] * (towers or 1)
+
+
 def _native_threads():
   with open("/proc/self/status") as f:
     return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))

@@ -544,8 +544,38 @@ def autograph_tower_fn(fn: Any) -> Any:
   if inspect.ismethod(fn):  # AutoGraph converts the function; bind it again.
     converted = autograph_tower_fn(fn.__func__)
     return fn if converted is fn.__func__ else types.MethodType(converted, fn.__self__)
+  if _is_callable_object(fn):
+    return _autograph_callable_object(fn)
   try:
     return tf.autograph.to_graph(fn)
+  except Exception:  # pylint: disable=broad-except
+    return fn
+
+
+def _is_callable_object(fn):
+  """Whether `fn` is an instance of a class with a `__call__` written in Python (not a
+  function, method, class, builtin, partial or `tf.function`)."""
+  if (inspect.isroutine(fn) or inspect.isclass(fn) or isinstance(fn, functools.partial)
+      or isinstance(fn, tf.types.experimental.GenericFunction)):
+    return False
+  return inspect.isfunction(inspect.getattr_static(type(fn), "__call__", None))
+
+
+def _autograph_callable_object(fn):
+  """A callable object converted as a `tf.function` converts one it calls.
+
+  `tf.autograph.to_graph` takes functions only. A function calling `fn`, converted, calls
+  it through AutoGraph, which converts the `__call__` of the object's class with the rules
+  it applies in a `tf.function`: code of the libraries it leaves alone (Keras's
+  `Layer.__call__`, so a Keras model runs as when a `tf.function` calls it) is not
+  converted.
+  """
+  def call(*args, **kwargs):
+    return fn(*args, **kwargs)
+
+  call.__name__ = call.__qualname__ = type(fn).__name__  # What errors name.
+  try:
+    return tf.autograph.to_graph(call)
   except Exception:  # pylint: disable=broad-except
     return fn
 
