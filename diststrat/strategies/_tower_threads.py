@@ -544,6 +544,10 @@ def autograph_tower_fn(fn: Any) -> Any:
   if inspect.ismethod(fn):  # AutoGraph converts the function; bind it again.
     converted = autograph_tower_fn(fn.__func__)
     return fn if converted is fn.__func__ else types.MethodType(converted, fn.__self__)
+  if isinstance(fn, functools.partial):  # As a tf.function does: convert its function.
+    converted = autograph_tower_fn(fn.func)
+    return fn if converted is fn.func else functools.partial(converted, *fn.args,
+                                                             **fn.keywords)
   if _is_callable_object(fn):
     return _autograph_callable_object(fn)
   try:
