@@ -768,38 +768,21 @@ class _ScaleOrNegate:
     return y
 
 
+def _scale_or_negate(x, scale):
+  if tf.reduce_sum(x) > 0:  # A tensor condition: needs AutoGraph inside tf.function.
+    return x * scale
+  return -x
+
+
+@pytest.mark.parametrize("kind", ["callable object", "functools.partial"])
 @pytest.mark.parametrize("towers", [None, 2, 4])
-def test_a_callable_object_as_tower_function_gets_autograph_as_without_a_strategy(towers):
-  """A callable object given to call_for_each_tower in a tf.function was not converted
-  by AutoGraph (a function or a bound method was): its `if` on a tensor raised
-  OperatorNotAllowedInGraphError. A tf.function calling it converts it."""
-  fn = _ScaleOrNegate(3.0)
-  s = ds.DefaultStrategy() if towers is None else strategy(towers)
-
-  @tf.function
-  def step(x):
-    return s.unwrap(s.call_for_each_tower(fn, x))
-
-  @tf.function
-  def plain(x):
-    return fn(x)
-
-  with s.scope():
-    for v in (2.0, -2.0):
-      got = [float(t) for t in step(tf.constant(v))]
-      assert got == [float(plain(tf.constant(v)))] * (towers or 1)
-
-
-@pytest.mark.parametrize("towers", [None, 2, 4])
-def test_a_partial_as_tower_function_gets_autograph_as_without_a_strategy(towers):
-  """A functools.partial given to call_for_each_tower in a tf.function was not
-  converted by AutoGraph (its function alone was); a tf.function calling it converts it."""
-  def scale_or_negate(x, scale):
-    if tf.reduce_sum(x) > 0:  # A tensor condition: needs AutoGraph inside tf.function.
-      return x * scale
-    return -x
-
-  fn = functools.partial(scale_or_negate, scale=3.0)
+def test_a_callable_object_or_partial_as_tower_function_gets_autograph(kind, towers):
+  """A callable object or a functools.partial given to call_for_each_tower in a
+  tf.function was not converted by AutoGraph (a function or a bound method was): its
+  `if` on a tensor raised OperatorNotAllowedInGraphError. A tf.function calling it
+  converts it."""
+  fn = (_ScaleOrNegate(3.0) if kind == "callable object"
+        else functools.partial(_scale_or_negate, scale=3.0))
   s = ds.DefaultStrategy() if towers is None else strategy(towers)
 
   @tf.function

@@ -68,29 +68,23 @@ def _shared_with(caller, slot, counters_at_start):
     return
   counters = (_tf_internal.keras_name_counters(caller) if not slot
               else collections.defaultdict(int, counters_at_start))
-  with _name_counters(own, counters), _seed_generator(caller, own), \
-      _dtype_policy(caller, own):
+  with _swapped(_tf_internal.keras_name_counters, _tf_internal.set_keras_name_counters,
+                own, counters), \
+      _swapped(_tf_internal.keras_dtype_policy, _tf_internal.set_keras_dtype_policy,
+               own, _tf_internal.keras_dtype_policy(caller)), \
+      _seed_generator(caller, own):
     yield
 
 
 @contextlib.contextmanager
-def _dtype_policy(caller, own):
-  saved = _tf_internal.keras_dtype_policy(own)
-  _tf_internal.set_keras_dtype_policy(own, _tf_internal.keras_dtype_policy(caller))
+def _swapped(get, set_, own, value):
+  """`own`'s setting (read by `get`, written by `set_`) is `value` for the body."""
+  saved = get(own)
+  set_(own, value)
   try:
     yield
   finally:
-    _tf_internal.set_keras_dtype_policy(own, saved)
-
-
-@contextlib.contextmanager
-def _name_counters(own, counters):
-  saved = _tf_internal.keras_name_counters(own)
-  _tf_internal.set_keras_name_counters(own, counters)
-  try:
-    yield
-  finally:
-    _tf_internal.set_keras_name_counters(own, saved)
+    set_(own, saved)
 
 
 @contextlib.contextmanager
