@@ -603,6 +603,38 @@ def test_adam_beta_powers_keep_float32_precision_beside_a_float16_variable():
   np.testing.assert_allclose(half.numpy(), np_adam(np.ones(2), grads, lr=0.1), rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype, rtol", [(tf.float16, 2e-3), (tf.bfloat16, 2e-2)],
+                         ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("towers", [0, 2], ids=["no_strategy", "two_towers"])
+def test_adam_trains_half_precision_variables_as_float32_does(dtype, rtol, sparse, towers):
+  """Adam in half precision broke its own formulas: in float16 epsilon (1e-8) rounds to
+  0, so an element with no gradient yet became 0/0 = NaN; in bfloat16 beta2 (0.999)
+  rounds to 1, so `v` stayed 0 and each step was `lr * m / 1e-8` (1.0 went to -466944
+  in two steps). Slots are float32 and the update is computed in float32 now."""
+  grads = [np.array([[1.0], [0.0], [0.5]]), np.array([[0.5], [0.0], [-0.25]])]
+  expected = np_adam(np.ones((3, 1)), grads, lr=0.1)
+  s = ds.MirroredStrategy(CPUS[:towers]) if towers else None
+  with s.scope() if s else contextlib.nullcontext():
+    var = tf.Variable(tf.ones([3, 1], dtype), name="half")
+    opt = optimizers.Adam(0.1, loss_reduction="sum")
+
+  def apply(g):
+    grad = tf.constant(g / max(towers, 1), dtype)
+    if sparse:  # Rows 0 and 2 only: row 1 is never named.
+      grad = tf.IndexedSlices(tf.gather(grad, [0, 2]), tf.constant([0, 2]))
+    opt.apply_gradients([(grad, var)])
+
+  for g in grads:
+    if s:
+      s.call_for_each_tower(apply, g)
+    else:
+      apply(g)
+  np.testing.assert_allclose(np.asarray(var.numpy(), np.float64), expected, rtol=rtol)
+  assert var.dtype == dtype
+  assert opt.get_slot(var, "m").dtype == tf.float32
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_float64_variables_get_float64_hyperparameters(name):
   """Python-number hyperparameters went through float32 (tf.cast(0.1, tf.float64) is

@@ -284,11 +284,13 @@ class Optimizer(tf.Module):
     with tf.init_scope(), strategy._variable_creation_scope():
       self._create_slots([state_owner(v) for v in var_list])
 
-  def _zeros_slot(self, var, slot_name):
-    """Returns the slot `slot_name` of `var`, creating it (zeros, colocated) if missing."""
-    return self._get_or_make_slot(var, slot_name, lambda: tf.zeros(var.shape, var.dtype))
+  def _zeros_slot(self, var, slot_name, dtype=None):
+    """Returns the slot `slot_name` of `var`, creating it (zeros, colocated) if missing:
+    of `var`'s dtype, or of `dtype` if given."""
+    dtype = dtype or var.dtype.base_dtype
+    return self._get_or_make_slot(var, slot_name, lambda: tf.zeros(var.shape, dtype), dtype)
 
-  def _get_or_make_slot(self, var, slot_name, initial_value):
+  def _get_or_make_slot(self, var, slot_name, initial_value, dtype=None):
     var = state_owner(var)
     named = self._state.slots.setdefault(slot_name, {})
     entry = named.get(id(var))
@@ -299,7 +301,7 @@ class Optimizer(tf.Module):
     with tf.init_scope(), strategy._variable_creation_scope(), \
         strategy.colocate_vars_with(var):
       slot = tf.Variable(initial_value, name=f"{var_name}/{self.name}/{slot_name}",
-                         trainable=False, dtype=var.dtype)
+                         trainable=False, dtype=dtype or var.dtype)
     named[id(var)] = (var, slot)
     for position in self._state.deferred_restores.pop((slot_name, id(var)), []):
       position.restore(slot)

@@ -37,6 +37,13 @@ def _check_trainable_dtype(optimizer, method, var):
         "it with trainable=False), or make it a float variable.")
 
 
+def _math_dtype(var):
+  """The dtype an optimizer keeps `var`'s state and computes its update in: float32 for
+  a float16 or bfloat16 variable (their rounding breaks the formulas), else its own."""
+  dtype = var.dtype.base_dtype
+  return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
 def _in_dtype(value, dtype):
   """`value` as a tensor of `dtype`; a number converts exactly (tf.cast(0.1, tf.float64)
   goes through float32: 0.10000000149...)."""
@@ -159,7 +166,10 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   Slots `"m"` and `"v"`; `beta1**t` and `beta2**t` are non-slot variables
   (`beta1_power`, `beta2_power`; float32, or float64 if a variable is float64). A sparse
   gradient decays `m` and `v` of every row and adds to the rows it names, as the dense
-  update would with zero rows.
+  update would with zero rows. A float16 or bfloat16 variable gets float32 slots and its
+  update is computed in float32, then rounded to the variable's dtype: in half
+  precision, `epsilon` rounds to 0 in float16 (a zero gradient gave NaN) and `beta2`
+  rounds to 1 in bfloat16 (`v` stayed 0 and the steps exploded).
   """
 
   def __init__(self, learning_rate: Any = 0.001, beta1: float = 0.9, beta2: float = 0.999,
@@ -183,8 +193,8 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
     self._non_slot_variable(
         "beta2_power", lambda: _in_dtype(self._hyper_value("beta2"), dtype), var_list)
     for var in var_list:
-      self._zeros_slot(var, "m")
-      self._zeros_slot(var, "v")
+      self._zeros_slot(var, "m", _math_dtype(var))
+      self._zeros_slot(var, "v", _math_dtype(var))
 
   def _step_size(self, dtype):
     beta1_power = tf.cast(self._get_non_slot_variable("beta1_power"), dtype)
@@ -192,6 +202,15 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
     return self._hyper("learning_rate", dtype) * tf.sqrt(1 - beta2_power) / (1 - beta1_power)
 
   def _apply_dense(self, grad, var):
+    dtype = _math_dtype(var)
+    if dtype != var.dtype.base_dtype:  # Half precision: the formulas, in float32.
+      b1, b2 = self._hyper("beta1", dtype), self._hyper("beta2", dtype)
+      grad = tf.cast(grad, dtype)
+      m, v = self.get_slot(var, "m"), self.get_slot(var, "v")
+      m_t = m.assign(b1 * m + (1 - b1) * grad)
+      v_t = v.assign(b2 * v + (1 - b2) * tf.square(grad))
+      step = self._step_size(dtype) * m_t / (tf.sqrt(v_t) + self._hyper("epsilon", dtype))
+      return var.assign_sub(tf.cast(step, var.dtype), read_value=False)
     # One fused kernel computes the same update as _apply_sparse's formulas, in place.
     return tf.raw_ops.ResourceApplyAdam(
         var=var.handle, m=self.get_slot(var, "m").handle, v=self.get_slot(var, "v").handle,
@@ -203,14 +222,16 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
 
   def _apply_sparse(self, grad, var):
     grad = self._deduplicate(grad)
-    b1, b2 = self._hyper("beta1", var.dtype), self._hyper("beta2", var.dtype)
+    dtype = _math_dtype(var)
+    values = tf.cast(grad.values, dtype)
+    b1, b2 = self._hyper("beta1", dtype), self._hyper("beta2", dtype)
     m, v = self.get_slot(var, "m"), self.get_slot(var, "v")
     m.assign(b1 * m, read_value=False)
-    m.scatter_add(tf.IndexedSlices((1 - b1) * grad.values, grad.indices))
+    m.scatter_add(tf.IndexedSlices((1 - b1) * values, grad.indices))
     v.assign(b2 * v, read_value=False)
-    v.scatter_add(tf.IndexedSlices((1 - b2) * tf.square(grad.values), grad.indices))
-    step = self._step_size(var.dtype) * m / (tf.sqrt(v) + self._hyper("epsilon", var.dtype))
-    return var.assign_sub(step, read_value=False)
+    v.scatter_add(tf.IndexedSlices((1 - b2) * tf.square(values), grad.indices))
+    step = self._step_size(dtype) * m / (tf.sqrt(v) + self._hyper("epsilon", dtype))
+    return var.assign_sub(tf.cast(step, var.dtype), read_value=False)
 
   def _finish(self, update_ops, name):
     del update_ops, name
