@@ -93,8 +93,11 @@ class PerDeviceIterator(tf.Module):
     """The next per-tower batch, or nothing at the end of the data, as tf.distribute's
     iterators give it: `has_value()` is a boolean tensor, `get_value()` the batch split
     across the towers. Inside a `tf.function`, `if opt.has_value():` with the step in
-    its branch runs the last, possibly ragged, batch and stops without an error."""
-    return PerDeviceOptional(self._iterator.get_next_as_optional(), self)
+    its branch runs the last, possibly ragged, batch and stops without an error, and
+    `while opt.has_value():` (taking the next optional at the end of the body) runs
+    every batch left, as with a tf.data iterator."""
+    return PerDeviceOptional(self._iterator.get_next_as_optional(), self._devices,
+                             (self._first, self._total))
 
   def __tf_flatten__(self):
     # A tf.nest structure whose one leaf is the tf.data iterator: a `tf.function` given
@@ -109,26 +112,38 @@ class PerDeviceIterator(tf.Module):
     return cls(components[0], devices, share)
 
   def _split(self, element):
-    if self._devices is None:
-      return element
-    return tf.nest.map_structure(self._split_leaf, element)
+    return _split_element(element, self._devices, (self._first, self._total))
 
-  def _split_leaf(self, batch):
+
+def _split_element(element, devices, share):
+  """A global batch (a nested structure) split across `devices` (None: unchanged)."""
+  if devices is None:
+    return element
+  first, total = share
+
+  def split_leaf(batch):
     if not isinstance(batch, tf.Tensor):
       raise TypeError("distribute_dataset() splits dense tensors along their first axis; "
                       f"got a {type(batch).__name__}. Convert it to a dense tensor in the "
                       "dataset (for example with .map()).")
-    return split_batch(batch, self._devices, first_tower=self._first,
-                       num_towers=self._total)
+    return split_batch(batch, devices, first_tower=first, num_towers=total)
+
+  return tf.nest.map_structure(split_leaf, element)
 
 
 class PerDeviceOptional:
   """What `PerDeviceIterator.get_next_as_optional()` returns: a tf.data optional of the
-  next global batch, whose value is split across the towers when it is read."""
+  next global batch, whose value is split across the towers when it is read.
 
-  def __init__(self, optional, iterator):
+  A tf.nest structure whose one leaf is that tf.data optional, so that it can be a loop
+  variable in a `tf.function` (`while opt.has_value(): ...; opt = it.get_next_as_optional()`),
+  as a tf.data or tf.distribute optional can.
+  """
+
+  def __init__(self, optional, devices, share):
     self._optional = optional
-    self._iterator = iterator
+    self._devices = devices
+    self._share = share
 
   def has_value(self) -> Any:
     """A boolean tensor: whether there was a next batch."""
@@ -136,7 +151,15 @@ class PerDeviceOptional:
 
   def get_value(self) -> Any:
     """The batch, split as `next()` splits it (an error if there was none)."""
-    return self._iterator._split(self._optional.get_value())
+    return _split_element(self._optional.get_value(), self._devices, self._share)
+
+  def __tf_flatten__(self):
+    return (self._devices, self._share), (self._optional,)
+
+  @classmethod
+  def __tf_unflatten__(cls, metadata, components):
+    devices, share = metadata
+    return cls(components[0], devices, share)
 
 
 def split_batch(batch, devices, allow_empty=False, first_tower=0, num_towers=None):

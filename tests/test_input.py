@@ -349,3 +349,47 @@ def test_a_distributed_iterator_resumes_with_a_checkpoint_manager(tmp_path):
   expected = run(lambda: iter(_checkpointed_dataset()), _batch_reader(None, None, "eager"),
                  str(tmp_path / "plain"))
   assert got == expected and expected[2] == expected[1], (got, expected)
+
+
+@pytest.mark.parametrize("towers", [None, 2, 4])
+def test_a_while_loop_over_get_next_as_optional_in_a_tf_function_runs_every_batch(towers):
+  """`while opt.has_value(): ...; opt = it.get_next_as_optional()` in a tf.function (the
+  tf.data and tf.distribute way to run every batch left) raised TypeError ("Failed to
+  convert elements of <PerDeviceOptional ...> to Tensor"): the optional was an opaque
+  Python object, which cannot be a loop variable."""
+  x = np.arange(22 * 3, dtype=np.float32).reshape(22, 3)  # Batches of 8, 8 and 6.
+
+  def dataset():
+    return tf.data.Dataset.from_tensor_slices(
+        ({"x": x, "name": [f"e{i}" for i in range(22)]}, np.arange(22, dtype=np.int64))
+    ).batch(8)
+
+  def run(strategy, data, split):
+    def whole(value):  # A batch split across towers, as one device's global batch.
+      return tf.concat(strategy.unwrap(value), 0) if split else value
+
+    @tf.function
+    def loop(it):
+      total, labels, count = tf.constant(0.0), tf.constant(0, tf.int64), tf.constant(0)
+      names = tf.constant("")
+      optional = it.get_next_as_optional()
+      while optional.has_value():
+        features, label = optional.get_value()
+        total += tf.reduce_sum(whole(features["x"]))
+        label = whole(label)  # Weighted by position: the order counts.
+        labels += tf.reduce_sum(label * tf.range(1, 1 + tf.size(label, tf.int64)))
+        names += tf.strings.reduce_join(whole(features["name"]), separator=",") + ";"
+        count += 1
+        optional = it.get_next_as_optional()
+      return total, labels, names, count
+
+    with strategy.scope():
+      total, labels, names, count = loop(iter(data))
+    return float(total), int(labels), names.numpy().decode(), int(count)
+
+  s = ds.DefaultStrategy() if towers is None else ds.MirroredStrategy(CPUS[:towers])
+  with s.scope():
+    data = s.distribute_dataset(dataset)
+  got = run(s, data, split=towers is not None)
+  expected = run(ds.DefaultStrategy(), dataset(), split=False)  # A plain tf.data iterator.
+  assert got == expected and expected[3] == 3, (got, expected)
