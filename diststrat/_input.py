@@ -238,10 +238,15 @@ def _for_loop_in_a_function(iter_, extra_test, body, *unused_loop_state):
   tensors and never raises `StopIteration`, so the Python loop AutoGraph would run
   instead traces forever); converted code run eagerly loops in Python, as before."""
   if tf.executing_eagerly():
+    # As AutoGraph's own Python loop: the test (a `break` or `return` in the body) is
+    # checked before the loop and after each batch, so a loop that stops takes no
+    # batch more from the iterator than it ran.
+    if extra_test is not None and not extra_test():
+      return
     for element in iter_:
+      body(element)
       if extra_test is not None and not extra_test():
         break
-      body(element)
     return
   error = TypeError(
       f"A for loop over a {type(iter_).__name__} (from distribute_dataset()) inside a "

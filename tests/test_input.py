@@ -393,3 +393,50 @@ def test_a_while_loop_over_get_next_as_optional_in_a_tf_function_runs_every_batc
   got = run(s, data, split=towers is not None)
   expected = run(ds.DefaultStrategy(), dataset(), split=False)  # A plain tf.data iterator.
   assert got == expected and expected[3] == 3, (got, expected)
+
+
+def test_a_converted_loop_run_eagerly_that_breaks_takes_no_extra_batch():
+  """Converted code run eagerly (`tf.autograph.to_graph`) with a `break` or `return` in
+  a `for` over a distribute_dataset iterator took one batch more from the iterator than
+  the loop ran (checked the stop condition only after taking the next batch), so the
+  next `next(it)` skipped a batch that a tf.data iterator gives."""
+  s = ds.MirroredStrategy(CPUS[:2])
+
+  def dataset():
+    return tf.data.Dataset.range(12).batch(2)
+
+  with s.scope():
+    data = s.distribute_dataset(dataset)
+
+  def take_two_break(it):
+    taken = 0
+    for _ in it:
+      taken += 1
+      if taken == 2:
+        break
+    return taken
+
+  def take_two_return(it):
+    taken = 0
+    for _ in it:
+      taken += 1
+      if taken == 2:
+        return taken
+    return -1
+
+  def run(functions, iterable, whole):
+    it = iter(iterable)
+    return [f(it) for f in functions], whole(next(it)).numpy().tolist()
+
+  def converted(f):
+    return tf.autograph.to_graph(f)
+
+  def concat(batch):
+    return tf.concat(s.unwrap(batch), 0)
+
+  got = run([converted(take_two_break), converted(take_two_return)], data, concat)
+  # The same Python code not converted, and a plain tf.data iterator (on which AutoGraph
+  # refuses a `return` in the loop).
+  python = run([take_two_break, take_two_return], data, concat)
+  plain = run([converted(take_two_break)] * 2, dataset(), lambda batch: batch)
+  assert got == python == plain == ([2, 2], [8, 9]), (got, python, plain)
