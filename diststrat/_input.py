@@ -54,6 +54,14 @@ class PerDeviceDataset:
     """The underlying dataset of global batches."""
     return self._dataset
 
+  @property
+  def element_spec(self) -> Any:
+    """The type specification of the per-tower batches, as tf.distribute's datasets give
+    it: the dataset's structure with a `BatchParts` of one `tf.TensorSpec` per tower at
+    each leaf (the part's size when the global batch size is static, else None), for a
+    `tf.function`'s `input_signature`. With no devices, the dataset's own."""
+    return _element_spec(self._dataset.element_spec, self._devices, self._share)
+
   def __iter__(self):
     return PerDeviceIterator(iter(self._dataset), self._devices, self._share)
 
@@ -85,6 +93,13 @@ class PerDeviceIterator(tf.Module):
   def __next__(self):
     return self._split(next(self._iterator))
 
+  @property
+  def element_spec(self) -> Any:
+    """The type specification of the per-tower batches (see
+    `PerDeviceDataset.element_spec`)."""
+    return _element_spec(self._iterator.element_spec, self._devices,
+                         (self._first, self._total))
+
   def get_next(self):
     """The next per-tower batch (raises `tf.errors.OutOfRangeError` at the end)."""
     return self._split(self._iterator.get_next())
@@ -115,6 +130,16 @@ class PerDeviceIterator(tf.Module):
     return _split_element(element, self._devices, (self._first, self._total))
 
 
+def _not_dense(kind):
+  return TypeError("distribute_dataset() splits dense tensors along their first axis; "
+                   f"got a {kind}. Convert it to a dense tensor in the dataset (for "
+                   "example with .map()).")
+
+
+_SCALAR = ("distribute_dataset() needs batched elements (a first axis to split); got a "
+           "scalar. Batch the dataset with .batch(global_batch_size).")
+
+
 def _split_element(element, devices, share):
   """A global batch (a nested structure) split across `devices` (None: unchanged)."""
   if devices is None:
@@ -123,12 +148,37 @@ def _split_element(element, devices, share):
 
   def split_leaf(batch):
     if not isinstance(batch, tf.Tensor):
-      raise TypeError("distribute_dataset() splits dense tensors along their first axis; "
-                      f"got a {type(batch).__name__}. Convert it to a dense tensor in the "
-                      "dataset (for example with .map()).")
+      raise _not_dense(type(batch).__name__)
     return split_batch(batch, devices, first_tower=first, num_towers=total)
 
   return tf.nest.map_structure(split_leaf, element)
+
+
+def _element_spec(spec, devices, share):
+  """The spec of `_split_element` of elements of `spec` (a dataset's element spec)."""
+  if devices is None:
+    return spec
+  first, total = share
+
+  def split_leaf(leaf):
+    if not isinstance(leaf, tf.TensorSpec):
+      raise _not_dense(getattr(leaf, "value_type", type(leaf)).__name__)
+    if leaf.shape.rank == 0:
+      raise ValueError(_SCALAR)
+    static = leaf.shape[0] if leaf.shape.rank else None
+    # A static batch splits into parts of static sizes (split_batch's); else, as for a
+    # dataset whose last batch may be partial, the parts' sizes are unknown.
+    sizes = (split_sizes(static, total) if static is not None and static >= total
+             else [None] * total)
+    parts = {device: tf.TensorSpec(None if leaf.shape.rank is None
+                                   else [size] + leaf.shape[1:], leaf.dtype)
+             for device, size in zip(devices, sizes[first:first + len(devices)],
+                                     strict=True)}
+    if total == len(devices):
+      return _wrapped.BatchParts(parts)
+    return _wrapped.BatchParts(parts, global_size=tf.TensorSpec([], tf.int64))
+
+  return tf.nest.map_structure(split_leaf, spec)
 
 
 class PerDeviceOptional:
@@ -183,8 +233,7 @@ def split_batch(batch, devices, allow_empty=False, first_tower=0, num_towers=Non
   """
   n = num_towers or len(devices)
   if batch.shape.rank == 0:
-    raise ValueError("distribute_dataset() needs batched elements (a first axis to split); "
-                     "got a scalar. Batch the dataset with .batch(global_batch_size).")
+    raise ValueError(_SCALAR)
   static = batch.shape[0] if batch.shape.rank else None
   if static is not None and (static >= n or not allow_empty):
     sizes = split_sizes(static, n)

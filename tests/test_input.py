@@ -440,3 +440,67 @@ def test_a_converted_loop_run_eagerly_that_breaks_takes_no_extra_batch():
   python = run([take_two_break, take_two_return], data, concat)
   plain = run([converted(take_two_break)] * 2, dataset(), lambda batch: batch)
   assert got == python == plain == ([2, 2], [8, 9]), (got, python, plain)
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+@pytest.mark.parametrize("towers", [None, 2, 4])
+def test_element_spec_is_a_signature_every_batch_fits_as_with_tf_distribute(towers,
+                                                                            drop_remainder):
+  """A distribute_dataset and its iterator had no `element_spec` (AttributeError), which
+  tf.distribute's have: the way to give a step a `tf.function` input_signature, so that
+  a partial last batch does not trace it again."""
+  x = np.arange(26 * 3, dtype=np.float32).reshape(26, 3)  # Batches of 10, 10 and 6.
+
+  def dataset():
+    return tf.data.Dataset.from_tensor_slices(
+        ({"x": x, "name": [f"e{i}" for i in range(26)]}, np.arange(26, dtype=np.int64))
+    ).batch(10, drop_remainder=drop_remainder)
+
+  def run(strategy, data, spec):
+    @tf.function(input_signature=[spec])
+    def step(batch):
+      features, label = batch
+      sums = strategy.call_for_each_tower(
+          lambda f, y: (tf.reduce_sum(f["x"]), tf.reduce_sum(y),
+                        tf.strings.reduce_join(f["name"], separator=",")), features, label)
+      return ([strategy.unwrap(strategy.reduce("sum", v))[0] for v in sums[:2]],
+              tf.strings.reduce_join(tf.stack(strategy.unwrap(sums[2])), separator=","))
+
+    with strategy.scope():
+      results = [step(batch) for batch in data]
+    return ([[float(v) for v in sums] + [names.numpy().decode()] for sums, names in results],
+            step.experimental_get_tracing_count())
+
+  s = ds.DefaultStrategy() if towers is None else ds.MirroredStrategy(CPUS[:towers])
+  with s.scope():
+    data = s.distribute_dataset(dataset)
+  spec = data.element_spec
+  tf.nest.assert_same_structure(iter(data).element_spec, spec)  # The iterator's: the same.
+  assert tf.nest.flatten(iter(data).element_spec) == tf.nest.flatten(spec)
+  for batch in data:  # Every batch fits the spec, leaf by leaf.
+    for leaf_spec, leaf in zip(tf.nest.flatten(spec), tf.nest.flatten(batch), strict=True):
+      assert leaf_spec.is_compatible_with(leaf), (leaf_spec, leaf)
+  got = run(s, data, spec)
+  expected = run(ds.DefaultStrategy(), dataset(), dataset().element_spec)  # One device.
+  assert got == expected and expected[1] == 1, (got, expected)
+  assert len(got[0]) == 2 if drop_remainder else 3
+
+
+def test_element_spec_of_a_share_of_each_batch_and_of_a_ragged_dataset():
+  # One process's share of every batch (as each worker of several takes its towers'):
+  # the parts, and the global batch size as a scalar.
+  data = ds.PerDeviceDataset(tf.data.Dataset.range(20).batch(10), CPUS[:2], first_tower=2,
+                             num_towers=4)
+
+  @tf.function(input_signature=[data.element_spec])
+  def parts(batch):
+    return tf.concat(batch.values, 0), batch.global_size
+
+  got = [(p.numpy().tolist(), int(size)) for p, size in (parts(b) for b in data)]
+  assert got == [([6, 7, 8, 9], 10), ([16, 17, 18, 19], 10)]
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    ragged = s.distribute_dataset(
+        lambda: tf.data.Dataset.from_tensor_slices(tf.ragged.constant([[1], [2, 3]])).batch(2))
+  with pytest.raises(TypeError, match="splits dense tensors .* got a RaggedTensor"):
+    _ = ragged.element_spec
