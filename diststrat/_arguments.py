@@ -12,6 +12,7 @@ registers Keras 3's variables).
 """
 
 import enum
+import inspect
 import numbers
 import typing
 from typing import Any, Callable
@@ -174,6 +175,29 @@ def check_callable(method, name, value):
   if not callable(value):
     raise TypeError(f"{method}() takes a callable as {name}, such as a function or a "
                     f"lambda. Received: {name}={value!r} ({type(value).__name__})")
+  return value
+
+
+def check_called_without_arguments(method, name, value, hint=""):
+  """Returns `value` if it can be called with no arguments, else raises `TypeError`
+  naming the argument, what it needs and `hint`. A callable whose signature Python cannot
+  read is returned as it is.
+
+  Example:
+    >>> check_called_without_arguments("distribute_dataset", "dataset_fn", lambda ctx: ctx)
+    Traceback (most recent call last):
+    ...
+    TypeError: distribute_dataset() calls dataset_fn with no arguments, but it needs some: missing a required argument: 'ctx'.
+  """
+  try:
+    signature = inspect.signature(value)
+  except (TypeError, ValueError):
+    return value
+  try:
+    signature.bind()
+  except TypeError as e:
+    raise TypeError(f"{method}() calls {name} with no arguments, but it needs some: "
+                    f"{e}.{hint}") from None
   return value
 
 

@@ -441,7 +441,18 @@ class DistributionStrategy:
   @cross_tower_method
   def distribute_dataset(self, dataset_fn: Callable[[], Any]) -> _input.PerDeviceDataset:
     """Splits each global batch of `dataset_fn()` into per-tower batches."""
+    if isinstance(dataset_fn, tf.data.Dataset):
+      raise TypeError(
+          "distribute_dataset() takes a function returning the tf.data.Dataset of global "
+          "batches, not the dataset itself: pass `lambda: dataset`. Received: "
+          f"dataset_fn={_arguments.short_repr(dataset_fn)}")
     _arguments.check_callable("distribute_dataset", "dataset_fn", dataset_fn)
+    _arguments.check_called_without_arguments(
+        "distribute_dataset", "dataset_fn", dataset_fn,
+        " It returns the dataset of global batches, which diststrat splits across the "
+        "towers (a function taking a tf.distribute.InputContext, as for tf.distribute's "
+        "distribute_datasets_from_function, returns each worker's batches instead): "
+        "build the dataset of global batches in a function of no arguments.")
     return self._distribute_dataset(dataset_fn)
 
   @cross_tower_method

@@ -5,6 +5,8 @@ later with TensorFlow's or Python's own error. Cluster specs are checked before 
 connection is made, so these need no cluster.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -144,6 +146,31 @@ def test_non_callables_are_refused_at_the_call(mode):
     per_tower = s.call_for_each_tower(lambda: tf.constant([1.0]))
     with pytest.raises(ValueError, match=r"axis must be an integer. Received: axis='x'"):
       s.gather(per_tower, axis="x")
+
+
+@pytest.mark.parametrize("towers", [None, 2])
+def test_distribute_dataset_given_tf_distributes_forms_of_input_says_what_to_pass(towers):
+  """A tf.data.Dataset itself (what tf.distribute's experimental_distribute_dataset
+  takes) was refused as "not a callable", and a function of a tf.distribute.InputContext
+  (what its distribute_datasets_from_function takes) failed with Python's bare "<lambda>()
+  missing 1 required positional argument: 'ctx'"; both now say what to pass."""
+  s = ds.DefaultStrategy() if towers is None else ds.MirroredStrategy(CPUS[:towers])
+  dataset = tf.data.Dataset.range(8).batch(4)
+  with s.scope():
+    with pytest.raises(TypeError, match=r"distribute_dataset\(\) takes a function returning "
+                       r"the tf.data.Dataset of global batches, not the dataset itself: "
+                       r"pass `lambda: dataset`"):
+      s.distribute_dataset(dataset)
+    with pytest.raises(TypeError, match=r"distribute_dataset\(\) calls dataset_fn with no "
+                       r"arguments, but it needs some: missing a required argument: 'ctx'\. "
+                       r".*tf.distribute.InputContext.*function of no arguments"):
+      s.distribute_dataset(lambda ctx: dataset)
+    # Arguments with defaults, or bound by a partial, still work.
+    for dataset_fn in (lambda batches=dataset: batches,
+                       functools.partial(lambda batches: batches, dataset)):
+      got = [tf.concat(s.unwrap(b), 0).numpy().tolist() if towers else b.numpy().tolist()
+             for b in s.distribute_dataset(dataset_fn)]
+      assert got == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 @pytest.mark.parametrize("value", [-5, 0, "soon", float("nan"), True])
