@@ -147,6 +147,8 @@ def _split_element(element, devices, share):
   first, total = share
 
   def split_leaf(batch):
+    if batch is None:  # A None component (such as no sample weights) goes to every tower.
+      return None
     if not isinstance(batch, tf.Tensor):
       raise _not_dense(type(batch).__name__)
     return split_batch(batch, devices, first_tower=first, num_towers=total)
@@ -161,6 +163,8 @@ def _element_spec(spec, devices, share):
   first, total = share
 
   def split_leaf(leaf):
+    if isinstance(leaf, type(tf.type_spec_from_value(None))):  # A None component.
+      return leaf
     if not isinstance(leaf, tf.TensorSpec):
       raise _not_dense(getattr(leaf, "value_type", type(leaf)).__name__)
     if leaf.shape.rank == 0:

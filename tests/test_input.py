@@ -504,3 +504,39 @@ def test_element_spec_of_a_share_of_each_batch_and_of_a_ragged_dataset():
         lambda: tf.data.Dataset.from_tensor_slices(tf.ragged.constant([[1], [2, 3]])).batch(2))
   with pytest.raises(TypeError, match="splits dense tensors .* got a RaggedTensor"):
     _ = ragged.element_spec
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "signature"])
+@pytest.mark.parametrize("towers", [None, 2, 4])
+def test_a_none_component_goes_to_every_tower_as_with_tf_distribute(towers, mode):
+  """A dataset of `(x, y, None)` (no sample weights, as Keras writes it) raised TypeError
+  ("splits dense tensors ...; got a NoneType. Convert it to a dense tensor"), for a
+  component there is nothing to split; tf.distribute passes it through. Each tower now
+  gets None there, eagerly, in a tf.function and with the element_spec as signature."""
+  x = np.arange(22 * 2, dtype=np.float32).reshape(22, 2)  # Batches of 8, 8 and 6.
+
+  def dataset():
+    return tf.data.Dataset.from_tensor_slices((x, np.arange(22, dtype=np.int64))).batch(8).map(
+        lambda features, labels: (features, labels, None))
+
+  def run(strategy, data, spec):
+    def tower(features, labels, weights):
+      assert weights is None
+      return tf.reduce_sum(features) + tf.cast(tf.reduce_sum(labels), tf.float32)
+
+    def step(batch):
+      sums = strategy.call_for_each_tower(tower, *batch)
+      return strategy.unwrap(strategy.reduce("sum", sums))[0]
+
+    if mode != "eager":
+      step = tf.function(step, input_signature=[spec] if mode == "signature" else None)
+    with strategy.scope():
+      return [float(step(batch)) for batch in data]
+
+  s = ds.DefaultStrategy() if towers is None else ds.MirroredStrategy(CPUS[:towers])
+  with s.scope():
+    data = s.distribute_dataset(dataset)
+  got = run(s, data, data.element_spec if mode == "signature" else None)
+  expected = run(ds.DefaultStrategy(), dataset(), dataset().element_spec)
+  assert got == expected and len(expected) == 3, (got, expected)
+  assert tf.nest.flatten(data.element_spec)[-1] == dataset().element_spec[2]
