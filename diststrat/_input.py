@@ -3,6 +3,7 @@
 from typing import Any, Sequence
 
 from diststrat._tf import tf
+from diststrat import _arguments
 from diststrat import _tf_internal
 from diststrat.values import _wrapped
 
@@ -41,12 +42,18 @@ class PerDeviceDataset:
       first_tower, num_towers: with several processes, each batch is split into
         `num_towers` parts (default: one per device) and this process takes the
         `len(devices)` parts from `first_tower` on: its share of every global batch.
+
+    Raises:
+      ValueError: with devices, `first_tower` is negative or the `len(devices)` parts
+        from it on are not all among the `num_towers` parts.
     """
     if not isinstance(dataset, tf.data.Dataset):
       raise TypeError("distribute_dataset() needs dataset_fn to return a tf.data.Dataset of "
                       f"global batches. Received: {type(dataset).__name__}")
     self._devices = tuple(devices) if devices else None
     self._share = (first_tower, num_towers or len(self._devices or ()))
+    if self._devices is not None:
+      _check_share(len(self._devices), first_tower, num_towers)
     self._dataset = dataset.prefetch(tf.data.AUTOTUNE) if prefetch else dataset
 
   @property
@@ -128,6 +135,21 @@ class PerDeviceIterator(tf.Module):
 
   def _split(self, element):
     return _split_element(element, self._devices, (self._first, self._total))
+
+
+def _check_share(num_devices, first_tower, num_towers):
+  """Raises `ValueError` unless parts `first_tower` to `first_tower + num_devices - 1`
+  are among the `num_towers` parts of a batch (None: one per device)."""
+  _arguments.check_int("first_tower", first_tower, minimum=0)
+  if num_towers is not None:
+    _arguments.check_int("num_towers", num_towers, minimum=1)
+  total = num_towers or num_devices
+  if first_tower + num_devices > total:
+    raise ValueError(
+        f"PerDeviceDataset splits each batch into num_towers={total} parts and gives the "
+        f"{num_devices} devices the parts from first_tower={first_tower} on, one each: parts "
+        f"{first_tower} to {first_tower + num_devices - 1} do not all exist. Give "
+        "first_tower + len(devices) <= num_towers (num_towers defaults to len(devices)).")
 
 
 def _not_dense(kind):

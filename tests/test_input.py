@@ -540,3 +540,25 @@ def test_a_none_component_goes_to_every_tower_as_with_tf_distribute(towers, mode
   expected = run(ds.DefaultStrategy(), dataset(), dataset().element_spec)
   assert got == expected and len(expected) == 3, (got, expected)
   assert tf.nest.flatten(data.element_spec)[-1] == dataset().element_spec[2]
+
+
+@pytest.mark.parametrize("share, message", [
+    (dict(first_tower=1), r"num_towers=2 parts .* first_tower=1 on, one each: parts 1 to 2"),
+    (dict(first_tower=3, num_towers=4), r"num_towers=4 parts .* parts 3 to 4 do not all"),
+    (dict(num_towers=1), r"num_towers=1 parts .* first_tower=0 on, one each: parts 0 to 1"),
+    (dict(first_tower=-1, num_towers=4), r"first_tower must be an integer >= 0"),
+])
+def test_a_share_of_each_batch_that_does_not_fit_the_devices_is_refused(share, message):
+  """`PerDeviceDataset(dataset, devices, first_tower=..., num_towers=...)` given a share
+  with parts past the last gave wrong batches silently (`first_tower=1` of 2 devices:
+  batches of one part, the second, on the first device) or failed later with an unrelated
+  error; it is refused at construction, saying what fits."""
+  dataset = tf.data.Dataset.range(8).batch(4)
+  with pytest.raises(ValueError, match=message):
+    ds.PerDeviceDataset(dataset, CPUS[:2], **share)
+  # What fits: the last two of four parts, and the default (every part).
+  for share, expected in ((dict(first_tower=2, num_towers=4), [[2], [3]]),
+                          (dict(), [[0, 1], [2, 3]])):
+    batch = next(iter(ds.PerDeviceDataset(dataset, CPUS[:2], **share)))
+    assert [part.numpy().tolist() for part in batch.values] == expected
+    assert batch.devices == tuple(CPUS[:2])
