@@ -1059,6 +1059,22 @@ def test_distribute_datasets_from_function_says_what_to_do():
       tf.distribute.get_strategy().distribute_datasets_from_function(lambda ctx: None)
 
 
+@pytest.mark.parametrize("given", ["array", "function"])
+def test_experimental_distribute_dataset_of_something_else_says_what_to_pass(given):
+  """The bridge's experimental_distribute_dataset given a numpy array or a function (as
+  diststrat's own distribute_dataset takes) raised AttributeError ("'function' object has
+  no attribute 'prefetch'")."""
+  value = np.zeros((4, 2)) if given == "array" else (lambda: tf.data.Dataset.range(4))
+  with STRATEGIES["mirrored2"]().scope():
+    adapter = tf.distribute.get_strategy()
+    with pytest.raises(TypeError, match=r"experimental_distribute_dataset\(\) takes a "
+                       r"tf.data.Dataset of global batches .*Received: (ndarray|function)\. "
+                       r".*MirroredStrategy.distribute_dataset\(\)"):
+      adapter.experimental_distribute_dataset(value)
+    data = adapter.experimental_distribute_dataset(tf.data.Dataset.range(4).batch(2))
+    assert [b.numpy().tolist() for b in data] == [[0, 1], [2, 3]]
+
+
 def test_keras_merge_fns_are_compared_by_the_function_they_wrap():
   strategy = STRATEGIES["mirrored2"]()
 

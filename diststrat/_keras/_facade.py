@@ -667,6 +667,12 @@ class StrategyAdapter:
     The prefetch makes the next batch while a step runs, as `distribute_dataset` does.
     """
     del options
+    if not isinstance(dataset, tf.data.Dataset):
+      raise TypeError(
+          "experimental_distribute_dataset() takes a tf.data.Dataset of global batches "
+          f"(run splits each across the towers). Received: {type(dataset).__name__}. "
+          "Make one with tf.data.Dataset.from_tensor_slices(...).batch(global_batch_size); "
+          f"a function returning it goes to {type(self._ds).__name__}.distribute_dataset().")
     # Keras's fit asks for its dataset before it builds its callback list: the last
     # moment a worker's file-writing callbacks can be pointed at its scratch directory.
     _file_callbacks.redirect_fit_callbacks(self._ds)
