@@ -818,6 +818,50 @@ def test_constructor_errors(kwargs, error, match):
     GPipe(**kwargs)
 
 
+class _Residual(keras.Model):
+  """A model whose output is not its layers applied in a chain. (Named explicitly: a
+  layer name starting with "_" is not a valid name scope in a tf.function.)"""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.a = keras.layers.Dense(4)
+    self.b = keras.layers.Dense(4)
+
+  def call(self, x):
+    return self.a(x) + self.b(x)
+
+
+class _Reversed(keras.Sequential):
+  def call(self, x, training=None):
+    for layer in reversed(self.layers):
+      x = layer(x)
+    return x
+
+
+def _functional_chain():
+  inputs = keras.Input((4,))
+  return keras.Model(inputs, keras.layers.Dense(4)(keras.layers.Dense(4)(inputs)))
+
+
+@pytest.mark.parametrize("make_model", [
+    lambda: _Residual(name="residual"), _functional_chain,
+    lambda: _Reversed([keras.layers.Dense(4), keras.layers.Dense(4)], name="reversed")],
+                         ids=["subclassed", "functional", "sequential_overriding_call"])
+def test_a_keras_model_other_than_a_sequential_is_refused(make_model):
+  """GPipe took any Keras model as a keras.Sequential and chained its layers: the
+  residual model silently computed b(a(x)), not a(x) + b(x), and the functional one
+  failed on its InputLayer as a layer that "cannot take the pipeline's input"."""
+  keras.utils.set_random_seed(13)
+  model = make_model()
+  with pytest.raises(TypeError, match=r"a list of layers, applied in order, or a "
+                     r"keras.Sequential.*Received: the \w+ '\w+', which is neither. Pass "
+                     r"\[\w+\] to run it whole"):
+    GPipe(model, devices=CPUS[:2])
+  whole = GPipe([model], devices=CPUS[:1])  # What the message suggests: same results.
+  x = _input(seed=7)[:, :4]
+  np.testing.assert_allclose(whole(x), model(x), **TOL)
+
+
 def test_batch_not_divisible_by_micro_batches():
   pipe = GPipe([tf.nn.relu, tf.nn.tanh], devices=CPUS[:2], num_micro_batches=4)
   with pytest.raises(ValueError, match=r"divisible by num_micro_batches. Received: batch "

@@ -400,9 +400,17 @@ class _MergeInStage(_context.WrappedMergeFn):
 
 
 def _layer_list(layers):
-  keras_layer = _cost.keras_layer_class()
-  if keras_layer is not None and isinstance(layers, keras_layer) and hasattr(layers, "layers"):
-    layers = list(layers.layers)  # A keras.Sequential: its layers, without the InputLayer.
+  if _is_plain_sequential(layers):
+    layers = list(layers.layers)  # Its layers, without the InputLayer.
+  elif _cost.is_keras_layer(layers):
+    # Another model (functional, subclassed) computes what its call() says, which need
+    # not be its layers in a chain: chaining them would compute something else.
+    raise TypeError(
+        "GPipe takes a list of layers, applied in order, or a keras.Sequential (whose "
+        f"layers are applied in order). Received: the {type(layers).__name__} "
+        f"{layers.name!r}, which is neither. Pass [{layers.name}] to run it whole as one "
+        "layer (on one stage), or, for a model that applies its layers one after the "
+        "other, the list of its layers in that order.")
   elif isinstance(layers, (list, tuple)):
     layers = list(layers)
   else:
@@ -418,6 +426,15 @@ def _layer_list(layers):
       raise TypeError(f"Each layer must be a Keras layer or a callable. Received: layer {i} "
                       f"= {layer!r}. Pass callables that take and return one tensor.")
   return layers
+
+
+def _is_plain_sequential(layers):
+  """Whether `layers` is a keras.Sequential that applies its layers in order (its class
+  does not override `call`)."""
+  if not _cost.is_keras_layer(layers):
+    return False
+  import keras  # pylint: disable=g-import-not-at-top
+  return isinstance(layers, keras.Sequential) and type(layers).call is keras.Sequential.call
 
 
 def _resolve_devices(devices):
