@@ -1106,3 +1106,61 @@ def test_fit_of_a_keras_model_holding_a_pipeline_under_mirrored_names_the_towers
     model.fit(np.zeros((8, 3), np.float32), np.zeros((8, 1), np.float32), batch_size=4,
               verbose=0)
   assert not model.pipe.built
+
+
+class _PipelineModel(keras.Model):
+  """docs/pipeline.md's Keras model holding a pipeline, its layers kept on the model."""
+
+  def __init__(self, layers, **gpipe_kwargs):
+    super().__init__(name="pipeline_model")  # A name scope may not start with "_".
+    self.stack = layers
+    self.pipe = GPipe(layers, **gpipe_kwargs)
+
+  def call(self, x, training=None):
+    return self.pipe(x, training=training)
+
+
+class _SequentialModel(keras.Model):
+  def __init__(self, layers):
+    super().__init__(name="sequential_model")
+    self.stack = layers
+
+  def call(self, x, training=None):
+    return _sequential(self.stack, x, training=training)
+
+
+def test_fit_of_a_keras_model_holding_a_pipeline_with_xla_requested():
+  """XLA compiles a step for one device. Keras's compile(jit_compile=True) (and "auto" on
+  a machine with GPUs) compiled the step of a model holding a pipeline with it, and fit
+  failed with TensorFlow's InvalidArgumentError "Trying to access resource ... located in
+  device CPU:1 from device CPU:0". The pipeline's layers now tell Keras they do not
+  support XLA: Keras warns and fits without it, as one device does."""
+  xs, ys = _training_data()
+  x, y = xs.reshape(-1, FEATURES), ys.reshape(-1, 3)
+  reference = _SequentialModel(_make_layers(seed=8))
+  reference(x[:2])
+  model = _PipelineModel(_make_layers(seed=9), devices=CPUS[:2], num_micro_batches=2)
+  model.pipe.build((None, FEATURES))
+  model.set_weights(reference.get_weights())
+  reference.compile(keras.optimizers.SGD(LR, momentum=0.9), "mse", jit_compile=False)
+  with pytest.warns(UserWarning, match="jit_compile"):
+    model.compile(keras.optimizers.SGD(LR, momentum=0.9), "mse", jit_compile=True)
+  assert model.jit_compile is False
+  want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
+  for g, e in zip(model.get_weights(), reference.get_weights(), strict=True):
+    np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+
+
+def test_a_pipeline_in_an_xla_compiled_function_is_refused():
+  """tf.function(jit_compile=True) around a pipeline of several devices failed when it
+  ran, with TensorFlow's InvalidArgumentError "Trying to access resource ... located in
+  device CPU:1 from device CPU:0", which names no pipeline and no fix."""
+  pipe = GPipe(_make_layers(seed=3), devices=CPUS[:2], num_micro_batches=2)
+  with pytest.raises(ValueError, match=r"^GPipe runs its stages on 2 devices, but it is "
+                     r"called in a function compiled with XLA.*Call the pipeline in a "
+                     r"tf.function without jit_compile"):
+    tf.function(lambda t: pipe(t, training=True), jit_compile=True)(_input())
+  np.testing.assert_allclose(tf.function(lambda t: pipe(t))(_input()),  # Without XLA: runs.
+                             _sequential(pipe.layers, _input()), **TOL)

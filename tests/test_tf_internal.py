@@ -242,6 +242,24 @@ def test_tf_function_jit_compile():
         "tf_function_jit_compile", "a function without jit_compile reads as compiled")
 
 
+def test_building_xla_function():
+  seen = []
+
+  def probe(x):
+    seen.append(_tf_internal.building_xla_function())
+    return x
+
+  tf.function(probe, jit_compile=True)(tf.constant(1.0))
+  tf.function(lambda x: tf.function(probe)(x), jit_compile=True)(tf.constant(2.0))  # Nested.
+  assert seen == [True, True], _broke("building_xla_function", f"XLA traces read as {seen}")
+  seen.clear()
+  tf.function(probe)(tf.constant(1.0))
+  tf.function(probe, jit_compile=False)(tf.constant(1.0))
+  probe(tf.constant(1.0))
+  assert seen == [False, False, False], _broke("building_xla_function",
+                                               f"other traces or eager read as {seen}")
+
+
 def test_clone_tf_function():
   spec = [tf.TensorSpec([None], tf.float32)]
   function = tf.function(lambda x: x, input_signature=spec, reduce_retracing=True,

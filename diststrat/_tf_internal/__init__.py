@@ -11,7 +11,7 @@ the job, in the module of its kind:
 |---|---|
 | `_thread_state` | the calling thread's device scope, variable creators, control inputs, op callbacks, and whether a `tf.while_loop` body is being built; freeing the state TensorFlow keeps for a finished thread |
 | `_collectives` | collective ops; setting up collectives across processes; a peer's health; aborting them |
-| `_functions` | calling a traced function with a flat list of tensors; a `tf.function`'s XLA flag, and a copy of its options around another function |
+| `_functions` | calling a traced function with a flat list of tensors; a `tf.function`'s XLA flag, and a copy of its options around another function; whether the function being traced is compiled with XLA |
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running; its wait for pending eager work |
 | `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it; whether a checkpoint creates its save counter; a sliced assignment; whether a SavedModel is tracing; how a SavedModel describes wrapped values |
 | `_tapes` | recording on gradient tapes; whether one of this thread's tapes is recording, or one of its forward accumulators watches a tensor |
@@ -55,6 +55,7 @@ from diststrat._tf_internal._collectives import check_peer_health as check_peer_
 from diststrat._tf_internal._collectives import enable_cross_process_collectives as enable_cross_process_collectives
 from diststrat._tf_internal._collectives import function_runs_collectives as function_runs_collectives
 from diststrat._tf_internal._distribute_stack import tf_distribution_mode as tf_distribution_mode
+from diststrat._tf_internal._functions import building_xla_function as building_xla_function
 from diststrat._tf_internal._functions import call_flat as call_flat
 from diststrat._tf_internal._functions import clone_tf_function as clone_tf_function
 from diststrat._tf_internal._functions import tf_function_jit_compile as tf_function_jit_compile
@@ -134,7 +135,7 @@ __all__ = [
     "enable_cross_process_collectives", "check_peer_health", "abort_collectives",
     "function_runs_collectives",
     # functions
-    "call_flat",
+    "call_flat", "building_xla_function",
     # cluster RPC and TensorFlow's error path
     "probe_tf_server", "copy_to_device", "install_error_translator",
     "uninstall_error_translator", "set_call_tracker", "wait_for_pending_ops",

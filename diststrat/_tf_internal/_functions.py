@@ -1,5 +1,5 @@
 """Calling a traced function with a flat list of tensors, fast; copying a `tf.function`'s
-options to another function.
+options to another function; whether the function being traced is compiled with XLA.
 
 The public call binds every argument in Python, a cost per tensor that a `batch_reduce`
 pays many times (50 tensors on 4 devices are 200 arguments); the concrete function's
@@ -9,6 +9,8 @@ flat call takes the list as it is.
 import functools
 import inspect
 from typing import Any, Callable
+
+from tensorflow.python.ops import control_flow_util as _control_flow_util  # pylint: disable=g-direct-tensorflow-import
 
 from diststrat._tf import tf
 
@@ -43,6 +45,18 @@ def tf_function_jit_compile(function: Any) -> bool:
   compiled.
   """
   return getattr(function, "_jit_compile", None) is True
+
+
+def building_xla_function() -> bool:
+  """Whether the graph being built (or one it is nested in) is a `tf.function` compiled
+  with XLA (`jit_compile=True`, Keras's `compile(jit_compile=True)`), which XLA compiles
+  for one device. False in eager mode.
+
+  TensorFlow marks such a trace with an XLA control-flow context; no public API tells.
+  """
+  if tf.executing_eagerly():
+    return False
+  return bool(_control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 def clone_tf_function(function: Any, python_function: Callable[..., Any]) -> Any:

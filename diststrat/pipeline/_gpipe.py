@@ -90,6 +90,13 @@ class GPipe(tf.Module):
                                         else list(self._partition))
     self._stage_costs: Optional[list[Optional[float]]] = None
     self._strategy: Any = None  # The strategy the layers were built under.
+    if self._num_stages > 1:
+      # XLA compiles a function for one device, which cannot reach the other stages'
+      # variables: Keras (jit_compile="auto" on GPUs, or True) then compiles a model
+      # holding these layers without it.
+      for layer in self._layers:
+        if _cost.is_keras_layer(layer):
+          layer.supports_jit = False
     # (input shape, dtype) of the build a tower asked for, done in cross-tower context.
     self._pending_build: Optional[tuple[Any, Any]] = None
 
@@ -311,6 +318,13 @@ class GPipe(tf.Module):
       _check_in_a_tower(_context.get_distribution_strategy())  # Before building there.
       self.build(x.shape, x.dtype)
     devices, context = self._tower_pipeline()
+    if len(set(devices)) > 1 and _tf_internal.building_xla_function():
+      raise ValueError(
+          f"GPipe runs its stages on {len(devices)} devices, but it is called in a "
+          "function compiled with XLA (tf.function(jit_compile=True)), which XLA compiles "
+          "for one device: the stages' variables on the other devices are out of its "
+          f"reach. Received: stage devices {list(devices)}. Call the pipeline in a "
+          "tf.function without jit_compile, or eagerly.")
     if batch is None and self._num_micro_batches > 1:
       with tf.device(devices[0]):
         check = tf.debugging.assert_equal(
