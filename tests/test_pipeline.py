@@ -868,8 +868,12 @@ def test_batch_not_divisible_by_micro_batches():
                      r"size 6 and num_micro_batches=4. Use a batch size that is a multiple"):
     pipe(tf.ones([6, 3]))
   unknown_batch = tf.function(pipe, input_signature=[tf.TensorSpec([None, 3])])
+  # The message named neither the batch size nor a fix (it showed the remainder, as
+  # "x (mod:0) = 2").
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r"divisible by num_micro_batches=4"):
+                     match=r"divisible by num_micro_batches. Received: batch size\] \[6\] "
+                     r"\[and num_micro_batches=4. Use batches whose size is a multiple of 4: "
+                     r"with tf.data, batch\(n, drop_remainder=True\)"):
     unknown_batch(tf.ones([6, 3]))
   np.testing.assert_allclose(unknown_batch(tf.ones([8, 3])), np.tanh(np.ones([8, 3])))
 

@@ -326,12 +326,17 @@ class GPipe(tf.Module):
           f"reach. Received: stage devices {list(devices)}. Call the pipeline in a "
           "tf.function without jit_compile, or eagerly.")
     if batch is None and self._num_micro_batches > 1:
+      m = self._num_micro_batches
       with tf.device(devices[0]):
-        check = tf.debugging.assert_equal(
-            tf.shape(x)[0] % self._num_micro_batches, 0, message=(
-                "GPipe: the batch size must be divisible by num_micro_batches="
-                f"{self._num_micro_batches}."))
-      with tf.control_dependencies([check] if check is not None else []):
+        size = tf.shape(x)[0]
+        check = tf.debugging.Assert(tf.equal(size % m, 0), [
+            "GPipe splits each batch into num_micro_batches equal micro-batches, so the "
+            "batch size must be divisible by num_micro_batches. Received: batch size",
+            size, f"and num_micro_batches={m}. Use batches whose size is a multiple of "
+            f"{m}: with tf.data, batch(n, drop_remainder=True); in Keras fit, evaluate "
+            f"and predict, a batch_size that is a multiple of {m} and a number of examples "
+            "that is a multiple of batch_size (the last batch holds the rest)."])
+      with tf.control_dependencies([check]):
         x = tf.identity(x)
     stages = []
     for s, (a, b) in enumerate(self._ranges()):
