@@ -391,6 +391,30 @@ def test_seed_states_of_nested_layers_are_placed_on_their_stage(strategy):
                                **TOL)
 
 
+class _UnseededNoise(keras.layers.Layer):
+  """Draws from Keras's global seed generator (no seed of its own)."""
+
+  def call(self, x):
+    return x * keras.random.uniform(tf.shape(x))
+
+
+def test_a_layer_drawing_from_keras_global_seed_generator():
+  """Tracing the layers' costs made Keras's global seed generator (on the layer's first
+  unseeded draw) inside the scratch graph: the pipeline's call, and every later
+  unseeded draw of the thread, failed with TypeError "... is out of scope"."""
+  keras.utils.set_random_seed(14)  # No global generator yet: the trace would make it.
+  layers = [keras.layers.Dense(4), _UnseededNoise(name="unseeded_noise"),
+            keras.layers.Dense(2)]
+  pipe = GPipe(layers, devices=CPUS[:2], partition=[2, 1])
+  pipe.build((None, FEATURES))
+  keras.random.uniform((2,))  # An unseeded draw outside the pipeline works.
+  x = _input(seed=8)
+  keras.utils.set_random_seed(15)
+  got = pipe(x)
+  keras.utils.set_random_seed(15)
+  np.testing.assert_allclose(got, _sequential(layers, x), **TOL)
+
+
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
 def test_layers_frozen_after_they_are_built(recompute):
   """layer.trainable = False after building (fine-tuning): the variables stay trainable

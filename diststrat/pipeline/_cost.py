@@ -21,11 +21,13 @@ Tracing also yields each layer's output shape, which is the next layer's input s
 layer that cannot take the previous layer's output fails here, before anything runs.
 """
 
+import contextlib
 import inspect
 import re
 from typing import Any
 
 from diststrat._tf import tf
+from diststrat import _tf_internal
 
 _FREE_OPS = frozenset({
     "Assert", "AssignVariableOp", "BroadcastArgs", "BroadcastGradientArgs", "CheckNumerics",
@@ -159,7 +161,8 @@ def trace_layers(layers, input_shape, dtype="float32"):
   trace = Trace()
   trace.specs.append((shape, dtype))
   for i in range(len(layers)):
-    cost, out_shape, out_dtype, captured = _trace_one(layers, i, shape, dtype)
+    with _keras_global_seed_generator_kept():
+      cost, out_shape, out_dtype, captured = _trace_one(layers, i, shape, dtype)
     trace.costs.append(cost)
     trace.captured.append(captured)
     if shape and out_shape and shape[0] is None:
@@ -167,6 +170,25 @@ def trace_layers(layers, input_shape, dtype="float32"):
     shape, dtype = tuple(out_shape), out_dtype
     trace.specs.append((shape, dtype))
   return trace
+
+
+@contextlib.contextmanager
+def _keras_global_seed_generator_kept():
+  """Keeps this thread's Keras global seed generator as it was before a trace.
+
+  A layer that draws without a seed (`keras.random.uniform(shape)`) makes Keras's global
+  generator on its first draw: made in a scratch graph, its state would be a graph
+  tensor that every later unseeded draw of the thread fails to use ("out of scope").
+  """
+  thread_globals = _tf_internal.keras_thread_globals()
+  if thread_globals is None:
+    yield
+    return
+  before = _tf_internal.keras_global_seed_generator(thread_globals)
+  try:
+    yield
+  finally:
+    _tf_internal.set_keras_global_seed_generator(thread_globals, before)
 
 
 def _concrete(shape):
