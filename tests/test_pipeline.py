@@ -957,6 +957,34 @@ def test_a_layer_used_on_two_stages():
     split.build((BATCH, FEATURES))
 
 
+class _LazyModule(tf.Module):
+  """Makes its variable on its first call (as Sonnet modules do)."""
+
+  def __init__(self, units, in_function):
+    super().__init__(name="lazy")
+    self.units, self.w = units, None
+    if in_function:
+      self.__call__ = tf.function(self.__call__)
+
+  def __call__(self, x):
+    if self.w is None:
+      self.w = tf.Variable(tf.ones([x.shape[-1], self.units]), name="w")
+    return tf.matmul(x, self.w)
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["call", "tf_function"])
+def test_a_callable_that_makes_its_variables_when_called(in_function):
+  """Tracing the costs called it in a scratch graph: it kept a variable of that graph,
+  and GPipe said it "was built before, with variable 'w:0' on []"."""
+  lazy = _LazyModule(2, in_function)
+  pipe = GPipe([keras.layers.Dense(3), lazy], devices=CPUS[:2])
+  with pytest.raises(ValueError, match=r"layer 1 \('lazy'\), not a Keras layer, creates a "
+                     r"variable \('w'\) when it is called. .*Create them in its constructor"):
+    pipe.build((None, 4))
+  assert lazy.w is None  # Left as it was.
+  lazy(tf.ones([1, 3]))  # Still usable.
+
+
 def test_undeclared_variable():
   hidden = tf.Variable(2.0)
   match = (r"stage 0 reads the trainable variable 'Variable.*', which none of its layers "

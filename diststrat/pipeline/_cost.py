@@ -191,6 +191,26 @@ def _keras_global_seed_generator_kept():
     _tf_internal.set_keras_global_seed_generator(thread_globals, before)
 
 
+def _refusing_variables(layers, index, original):
+  """While entered, creating a variable raises `LayerError` when `original`: a callable
+  that makes its variables when first called would make them in the trace's graph, held
+  by the user's object (and, out of GPipe's reach, on no stage's device)."""
+  if not original:
+    return contextlib.nullcontext()
+
+  def refuse(next_creator, **kwargs):
+    del next_creator  # Never created.
+    raise LayerError(
+        "GPipe places each layer's variables on its stage's device, which it does when it "
+        f"builds Keras layers; but {describe(layers[index], index)}, not a Keras layer, "
+        f"creates a variable ({kwargs.get('name')!r}) when it is called. Received: a "
+        f"{type(layers[index]).__name__} that makes its variables on its first call. "
+        "Create them in its constructor, under tf.device() of its stage's device, and "
+        "give GPipe an explicit partition=[n0, n1, ...]; or make it a Keras layer.")
+
+  return tf.variable_creator_scope(refuse)
+
+
 def _concrete(shape):
   return [1 if d is None else d for d in shape]
 
@@ -222,7 +242,7 @@ def _trace_one(layers, index, shape, dtype):
     return _trace_in_graph(layers, index, make_clone, shape, dtype)
   try:
     return _trace_in_graph(layers, index, lambda: layer, shape, dtype,
-                           eager_state_error=True)
+                           eager_state_error=True, original=True)
   except LayerError:
     raise
   except Exception:  # pylint: disable=broad-except
@@ -247,14 +267,16 @@ def _keras_output_shape(layers, index, shape):
     raise _mismatch(layers, index, shape, e) from e
 
 
-def _trace_in_graph(layers, index, make_layer, shape, dtype, eager_state_error=False):
+def _trace_in_graph(layers, index, make_layer, shape, dtype, eager_state_error=False,
+                    original=False):
   """Traces `make_layer()` (the original, or a Keras clone made there) in a scratch graph.
 
   With `eager_state_error`, an error caused by reading eager state is re-raised as it is
   (the caller then traces a tf.function); any other error means the layer does not fit.
+  `original`: the user's own callable, which may not create variables here.
   """
   graph = tf.Graph()
-  with graph.as_default():
+  with graph.as_default(), _refusing_variables(layers, index, original):
     x = tf.compat.v1.placeholder(dtype, _concrete(shape))
     try:
       layer = make_layer()
@@ -265,6 +287,8 @@ def _trace_in_graph(layers, index, make_layer, shape, dtype, eager_state_error=F
       call_layer(layer, x, training=True)  # Builds: creates (never runs) its variables.
       first = len(graph.get_operations())
       y = call_layer(layer, x, training=True)
+    except LayerError:
+      raise
     except Exception as e:  # pylint: disable=broad-except
       if eager_state_error and _reads_eager_state(e):
         raise
@@ -282,7 +306,10 @@ def _reads_eager_state(error):
 def _trace_function(layers, index, layer, shape, dtype):
   fn = tf.function(lambda t: call_layer(layer, t, training=True), autograph=False)
   try:
-    concrete = fn.get_concrete_function(tf.TensorSpec(_concrete(shape), dtype))
+    with _refusing_variables(layers, index, True):
+      concrete = fn.get_concrete_function(tf.TensorSpec(_concrete(shape), dtype))
+  except LayerError:
+    raise
   except Exception as e:  # pylint: disable=broad-except
     raise _mismatch(layers, index, shape, e) from e
   y = _single_tensor(layers, index, concrete.structured_outputs)
