@@ -831,6 +831,10 @@ def _built_dense(units, inputs, device=CPUS[0]):
     (dict(layers=[tf.nn.relu], devices=[]), ValueError, r"at least one device"),
     (dict(layers=[tf.nn.relu], devices=CPUS[:1], num_micro_batches=0), ValueError,
      r"positive int. Received: num_micro_batches=0"),
+    (dict(layers=[tf.nn.relu], devices=CPUS[:1], recompute="False"), ValueError,
+     r"recompute must be True or False. Received: recompute='False' of type str"),
+    (dict(layers=[tf.nn.relu], devices=CPUS[:1], recompute=None), ValueError,
+     r"recompute must be True or False. Received: recompute=None"),
     (dict(layers=[tf.nn.relu], devices=CPUS[:1], partition="greedy"), ValueError,
      r"'cost' or a list of layer counts.*Received: partition='greedy'"),
     (dict(layers=[tf.nn.relu] * 3, devices=CPUS[:2], partition=[1, 1]), ValueError,
@@ -840,6 +844,10 @@ def _built_dense(units, inputs, device=CPUS[0]):
 def test_constructor_errors(kwargs, error, match):
   with pytest.raises(error, match=match):
     GPipe(**kwargs)
+
+
+def test_recompute_takes_numpy_bools():
+  assert GPipe([tf.nn.relu], devices=CPUS[:1], recompute=np.bool_(True)).recompute is True
 
 
 class _Residual(keras.Model):

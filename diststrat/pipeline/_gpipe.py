@@ -17,6 +17,8 @@ import numbers
 
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _devices
@@ -84,7 +86,7 @@ class GPipe(tf.Module):
           f"{_count(len(self._layers), 'device')}, or split the model into more layers.")
     self._num_stages = num_stages
     self._num_micro_batches = _check_micro_batches(num_micro_batches)
-    self._recompute = bool(recompute)
+    self._recompute = _check_recompute(recompute)
     self._partition = _check_partition(partition, len(self._layers), num_stages)
     self._sizes: Optional[list[int]] = (None if self._partition == "cost"
                                         else list(self._partition))
@@ -498,6 +500,16 @@ def _check_micro_batches(num_micro_batches):
         "num_micro_batches must be a positive int. Received: "
         f"num_micro_batches={num_micro_batches!r}. Pass e.g. 4.")
   return int(num_micro_batches)
+
+
+def _check_recompute(recompute):
+  if not isinstance(recompute, (bool, np.bool_)):
+    raise ValueError(
+        "recompute must be True or False. Received: "
+        f"recompute={recompute!r} of type {type(recompute).__name__} (a string such as "
+        "'False' would count as True). Pass True or False; convert a flag read from a "
+        "command line or a config file first.")
+  return bool(recompute)
 
 
 def _check_partition(partition, num_layers, num_stages):
