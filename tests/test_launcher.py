@@ -961,6 +961,54 @@ def test_a_signalled_launcher_leaves_nothing_behind(tmp_path, sig, ps):
   _assert_none_left(marker, wait=15)
 
 
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.processes
+def test_a_signal_while_the_job_stops_lets_the_stop_finish(tmp_path):
+  """SIGTERM to the launcher while it stops a failed job: the stop finishes, then the
+  launcher exits with 143. The signal landed in a thread copying a task's output (the
+  main thread blocks it while stopping), whose handler ran in the main thread all the
+  same and broke off the stop: the process worker 0 had started in a session of its own
+  lived on."""
+  script = _write(tmp_path, "stop.py", """
+      import json, os, signal, subprocess, sys, time
+      if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+        print("ready", flush=True)
+        time.sleep(0.3)
+        sys.exit(3)
+      subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                       start_new_session=True)
+
+      def stopped_slowly(signum, frame):
+        print("term", flush=True)
+        time.sleep(0.5)
+        os._exit(0)
+
+      signal.signal(signal.SIGTERM, stopped_slowly)
+      print("ready", flush=True)
+      time.sleep(600)
+      """)
+  marker = uuid.uuid4().hex
+  process = _start_and_wait_ready(["--workers", "2", str(script)], tmp_path, marker, 2)
+  try:
+    while "term" not in process.stdout.readline():  # The launcher is stopping the job.
+      pass
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert ("stopped 1 process(es) that the job's tasks started outside their process "
+            "groups and left running") in err, err
+    assert "stopped by SIGTERM; every task was stopped" in err
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.wait(10)
+    try:
+      _assert_none_left(marker)
+    finally:
+      for pid in _processes_with(marker):  # Not to outlive the test if it fails.
+        os.kill(pid, signal.SIGKILL)
+
+
 # --- logs, timeouts, the summary of a failed job, output as the tasks wrote it ---------
 
 

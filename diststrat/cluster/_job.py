@@ -220,8 +220,16 @@ class _Task:
       if pass_fds:
         os.close(ready_write)
     assert self.process.stdout is not None and self.process.stderr is not None
-    self.output.follow("stdout", self.process.stdout, sys.stdout.buffer)
-    self.output.follow("stderr", self.process.stderr, sys.stderr.buffer)
+    # The copying threads inherit this thread's signal mask: with the stop signals blocked
+    # in them, the kernel delivers those signals to the main thread only, which blocks
+    # them while it stops the job. (Python runs a handler in the main thread wherever the
+    # signal lands: one that landed in a copying thread interrupted the stop halfway.)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+      self.output.follow("stdout", self.process.stdout, sys.stdout.buffer)
+      self.output.follow("stderr", self.process.stderr, sys.stderr.buffer)
+    finally:
+      signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
   def poll(self):
     return self.process.poll()
