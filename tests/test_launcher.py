@@ -68,14 +68,14 @@ def _env(marker):
   return env
 
 
-def _launch(args, cwd, timeout=JOB_TIMEOUT, text=True):
+def _launch(args, cwd, timeout=JOB_TIMEOUT, text=True, env=None):
   """Runs `diststrat-run args` to its end; returns the CompletedProcess (text, or bytes
-  with `text=False`)."""
+  with `text=False`). `env`: more environment variables of the launcher."""
   marker = uuid.uuid4().hex
   try:
     return subprocess.run([sys.executable, "-m", "diststrat.run", *args], cwd=cwd,
-                          env=_env(marker), capture_output=True, text=text,
-                          timeout=timeout, check=False)
+                          env={**_env(marker), **(env or {})}, capture_output=True,
+                          text=text, timeout=timeout, check=False)
   finally:
     _assert_none_left(marker)
 
@@ -1198,6 +1198,30 @@ def test_a_symlinked_script_imports_from_its_real_directory_as_under_python(tmp_
   assert proc.returncode == alone.returncode == 0, proc.stderr[-4000:]
   assert proc.stdout.strip() == f"[worker:0] {alone.stdout.strip()}", proc.stdout
   assert alone.stdout.strip() == f"from the real directory {real}"
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_with_pythonsafepath_sys_path_is_as_under_python(tmp_path):
+  """PYTHONSAFEPATH: `python script.py` puts no directory first on sys.path. The task
+  replaced sys.path's first entry with the script's directory all the same, and that
+  entry was PYTHONPATH's first: a module there no longer imported."""
+  libs = tmp_path / "libs"
+  libs.mkdir()
+  _write(libs, "mylib.py", "VALUE = 'from PYTHONPATH'\n")
+  script = _write(tmp_path, "main.py", """
+      import sys
+      import mylib
+      print(mylib.VALUE, sys.path[:2])
+      """)
+  env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join([str(libs), str(REPO)])}
+  alone = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, check=False, env={**_env("none"), **env})
+  proc = _launch(["--workers", "1", str(script)], tmp_path, timeout=100, env=env)
+  assert alone.returncode == 0, alone.stderr
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert proc.stdout.strip() == f"[worker:0] {alone.stdout.strip()}", proc.stdout
+  assert alone.stdout.startswith(f"from PYTHONPATH [{str(libs)!r}, {str(REPO)!r}]")
 
 
 @pytest.mark.processes

@@ -28,7 +28,9 @@ CPUS_ENV = "DISTSTRAT_CPUS_PER_WORKER"
 
 # sys.argv is ["-c", script, args...]; the program sees [script, args...] (runpy makes
 # the script's path absolute), an absolute __file__ and, first on sys.path, the directory
-# of the script's real path (symlinks resolved), as under `python script.py`. An
+# of the script's real path (symlinks resolved), as under `python script.py`; with
+# PYTHONSAFEPATH, neither `python -c` nor `python script.py` puts a directory first, so
+# sys.path is left as it is (replacing its first entry dropped one of PYTHONPATH's). An
 # exception the program does not catch is
 # reported as `python script.py` would: its traceback starts at the script's frame (not
 # this code's, nor runpy's; a SyntaxError has none, so only its place in the script is
@@ -45,7 +47,8 @@ WORKER_CODE = (
     "        [_t.config.LogicalDeviceConfiguration()] * _n)\n"
     "  del _t\n"
     "_s.argv[:] = _s.argv[1:]\n"
-    "_s.path[0] = _o.path.dirname(_o.path.realpath(_s.argv[0]))\n"
+    "if not getattr(_s.flags, 'safe_path', False):\n"
+    "  _s.path[0] = _o.path.dirname(_o.path.realpath(_s.argv[0]))\n"
     "_p = _o.path.abspath(_s.argv[0])\n"
     "del _n\n"
     "try:\n"
