@@ -111,7 +111,8 @@ def _parser():
                       help="first port of this host's tasks (default: free ports on one "
                       f"host, {DEFAULT_PORT_BASE} with --hosts)")
   parser.add_argument("--start-timeout", type=_seconds, default=DEFAULT_START_TIMEOUT,
-                      help="seconds a parameter server may take to start")
+                      help="seconds the parameter servers (started together) may take "
+                      "to start; default 120")
   parser.add_argument("--log-dir", default=None,
                       help="also write each task's output to a file of its own: "
                       "LOG_DIR/attempt_0/worker_0.log, ... (one directory per attempt)")

@@ -873,6 +873,44 @@ def test_a_task_that_exits_at_once_stops_the_job(tmp_path):
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_parameter_servers_start_together_within_start_timeout(tmp_path, monkeypatch,
+                                                               capfd, no_child_left):
+  """`--start-timeout` is what each PS task may take: the launcher started its PS tasks
+  one after another, each once the previous one served, against one deadline, so
+  `--ps 8` (8 TensorFlow imports in a row) failed the default 120 s though each PS
+  started in 15. Here each PS serves only once all 3 have started: they start together
+  now; one after another, ps:0 waited for the others until the deadline."""
+  started = tmp_path / "started"
+  started.mkdir()
+  fake_serve = textwrap.dedent(f"""
+      import json, os, time
+      index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+      open(os.path.join({str(started)!r}, str(index)), "w").close()
+      while len(os.listdir({str(started)!r})) < 3:
+        time.sleep(0.05)
+      fd = int(os.environ["DISTSTRAT_READY_FD"])
+      os.write(fd, b"ready\\n")
+      os.close(fd)
+      time.sleep(600)
+      """)
+  monkeypatch.setattr(launcher._job._task, "SERVE_UNTIL_STOPPED_CODE", fake_serve)
+  marker = uuid.uuid4().hex
+  monkeypatch.setenv(_MARKER, marker)
+  script = _write(tmp_path, "ok.py", "import json, os\nprint('worker after', "
+                  "sorted(os.listdir(os.environ['STARTED'])))\n")
+  monkeypatch.setenv("STARTED", str(started))
+  try:
+    status = launcher.run(["--ps", "3", "--workers", "1", "--start-timeout", "10",
+                           str(script)])
+  finally:
+    _assert_none_left(marker)
+  out, err = capfd.readouterr()
+  assert status == 0, err
+  assert "[worker:0] worker after ['0', '1', '2']" in out, out
+
+
+@pytest.mark.processes
 @pytest.mark.timeout(90)
 def test_a_taken_port(tmp_path):
   script = _write(tmp_path, "ok.py", "print('hi')\n")

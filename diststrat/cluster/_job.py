@@ -206,7 +206,9 @@ class _Task:
   def __init__(self, task_type, task_id, env, code, argv_tail, log_path=None):
     self.task_type, self.task_id = task_type, task_id
     self.name = _name(task_type, task_id)
-    self.ready_read = None
+    self.ready_read: Optional[int] = None
+    self._ready_line = b""
+    self.serving = False  # A PS task that said it serves.
     self.output = _output.TaskOutput(self.name, log_path)
     pass_fds: Tuple[int, ...] = ()
     if task_type == "ps":
@@ -237,27 +239,30 @@ class _Task:
   def signal_group(self, sig):
     _processes.signal_group(self.process, sig)
 
-  def wait_ready(self, deadline):
-    """Waits for a PS task's "ready" line until `deadline`: True once it serves, False
-    when the deadline passed, or the task's `_Failure` if it exited."""
-    line = b""
-    try:
-      while time.monotonic() < deadline:
-        if select.select([self.ready_read], [], [], _POLL)[0]:
-          chunk = os.read(self.ready_read, 64)
-          line += chunk
-          if b"\n" in line:
-            return True
-          if not chunk and self.poll() is None:
-            time.sleep(_POLL)
-        code = self.poll()
-        if code is not None:
-          how = _processes.describe_exit(code)
-          return _Failure(self, _processes.exit_status(code) or 1,
-                          f"Parameter server {self.name} {how} while starting (its output, "
-                          "if any, is above).", f"{how} while starting")
-      return False
-    finally:
+  def check_ready(self):
+    """Whether a PS task serves yet, without waiting: True once it wrote its "ready"
+    line, its `_Failure` if it exited first, else None."""
+    while self.ready_read is not None and select.select([self.ready_read], [], [], 0)[0]:
+      chunk = os.read(self.ready_read, 64)
+      self._ready_line += chunk
+      if b"\n" in self._ready_line:
+        self._close_ready()
+        self.serving = True
+      if not chunk:  # It closed its end: only its exit can tell more.
+        self._close_ready()
+    if self.serving:
+      return True
+    code = self.poll()
+    if code is None:
+      return None
+    self._close_ready()
+    how = _processes.describe_exit(code)
+    return _Failure(self, _processes.exit_status(code) or 1,
+                    f"Parameter server {self.name} {how} while starting (its output, if "
+                    "any, is above).", f"{how} while starting")
+
+  def _close_ready(self):
+    if self.ready_read is not None:
       os.close(self.ready_read)
       self.ready_read = None
 
@@ -338,8 +343,8 @@ class _Job:
     return path
 
   def start(self) -> Optional[_Failure]:
-    """Starts this host's tasks, PS tasks first (each must serve before the workers
-    start); returns the failure that stopped the start, if any."""
+    """Starts this host's tasks: the PS tasks together, then, once every one serves, the
+    workers; returns the failure that stopped the start, if any."""
     plan = self._plan
     spec = plan.cluster_spec()
     mine = tasks_of_host(plan.host_index, plan.num_ps, plan.num_workers)
@@ -347,23 +352,46 @@ class _Job:
     prologue = _processes.prologue(os.getpid(), self._network.namespace)
     deadline = time.monotonic() + plan.start_timeout
     for task_type, task_id in mine:
+      if task_type == "worker":
+        failure = self._wait_servers(deadline)
+        if failure is not None:
+          return failure
       if task_type == "ps":
         serve = _task.SERVE_CODE if plan.across_hosts else _task.SERVE_UNTIL_STOPPED_CODE
         code, tail = prologue + serve, []
       else:
         code, tail = prologue + _task.WORKER_CODE, [plan.script] + plan.script_args
-      task = _Task(task_type, task_id, self._environment(spec, task_type, task_id),
-                   code, tail, self._log_path(task_type, task_id))
-      self.tasks.append(task)
-      if task_type == "ps":  # Workers start once every PS of this host serves.
-        ready = task.wait_ready(min(deadline, self._deadline or deadline))
+      self.tasks.append(_Task(task_type, task_id,
+                              self._environment(spec, task_type, task_id), code, tail,
+                              self._log_path(task_type, task_id)))
+    return self._wait_servers(deadline)
+
+  def _wait_servers(self, deadline):
+    """Waits until every PS task started serves, or `deadline` (or --job-timeout's)
+    passes; returns the failure, if any. Each PS task starts without waiting for the
+    others, so `--start-timeout` is what one of them may take (TensorFlow's import)."""
+    limit = min(deadline, self._deadline or deadline)
+    waiting = [t for t in self.tasks if t.task_type == "ps" and not t.serving]
+    while waiting:
+      for task in list(waiting):
+        ready = task.check_ready()
         if isinstance(ready, _Failure):
           return ready
-        if not ready:
-          if self._deadline is not None and time.monotonic() >= self._deadline:
-            return _job_timeout(plan)
-          how = f"did not start within --start-timeout {plan.start_timeout:g} s"
-          return _Failure(task, 1, f"Parameter server {task.name} {how}.", how)
+        if ready:
+          waiting.remove(task)
+      if not waiting:
+        break
+      if time.monotonic() >= limit:
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+          return _job_timeout(self._plan)
+        task = waiting[0]
+        how = f"did not start within --start-timeout {self._plan.start_timeout:g} s"
+        return _Failure(task, 1, f"Parameter server {task.name} {how}.", how)
+      pipes = [t.ready_read for t in waiting if t.ready_read is not None]
+      if pipes:
+        select.select(pipes, [], [], _POLL)
+      else:
+        time.sleep(_POLL)
     return None
 
   def wait(self) -> Optional[_Failure]:
