@@ -911,6 +911,38 @@ def test_parameter_servers_start_together_within_start_timeout(tmp_path, monkeyp
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_a_job_on_one_host_of_hosts_stops_its_parameter_server_once_its_workers_are_done(
+    tmp_path, monkeypatch, capfd, no_child_left):
+  """`--hosts` of one host: every worker of the job is this launcher's, so once they are
+  done it stops its PS tasks, as on one machine. It waited for them to end by themselves
+  (serve()'s watch for other hosts' workers), forever for a worker that never listened
+  at its address (a script that ends before it creates its strategy)."""
+  fake_serve = textwrap.dedent("""
+      import os, time
+      fd = int(os.environ["DISTSTRAT_READY_FD"])
+      os.write(fd, b"ready\\n")
+      os.close(fd)
+      time.sleep(600)
+      """)
+  for code in ("SERVE_CODE", "SERVE_UNTIL_STOPPED_CODE"):  # One host: a PS serves on.
+    monkeypatch.setattr(launcher._job._task, code, fake_serve)
+  marker = uuid.uuid4().hex
+  monkeypatch.setenv(_MARKER, marker)
+  script = _write(tmp_path, "ok.py", "print('done early')\n")
+  try:
+    status = launcher.run(["--ps", "1", "--workers", "1", "--hosts", "127.0.0.1",
+                           "--task-index", "0", "--port-base", str(_free_port_base(2)),
+                           "--job-timeout", "10", str(script)])
+  finally:
+    _assert_none_left(marker)
+  out, err = capfd.readouterr()
+  assert status == 0, err
+  assert "[worker:0] done early" in out
+  assert "--job-timeout" not in err and "serve the job's other workers" not in err, err
+
+
+@pytest.mark.processes
 @pytest.mark.timeout(90)
 def test_a_taken_port(tmp_path):
   script = _write(tmp_path, "ok.py", "print('hi')\n")

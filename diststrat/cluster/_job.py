@@ -184,6 +184,12 @@ class JobPlan:
   job_timeout: Optional[float] = None  # Seconds the whole job may run, restarts included.
   heartbeat_timeout: Optional[float] = None  # Seconds a worker may print nothing.
 
+  @property
+  def serves_other_hosts(self) -> bool:
+    """Whether this host's PS tasks also serve other hosts' workers: then they end by
+    themselves (`serve()`'s watch), not when this host's workers are done."""
+    return self.across_hosts and len(self.hosts) > 1
+
   def cluster_spec(self) -> dict:
     if self.port_base is None:  # One host, free ports (any: the spec lists each one).
       ports = _processes.free_ports(self.num_ps + self.num_workers)
@@ -357,7 +363,8 @@ class _Job:
         if failure is not None:
           return failure
       if task_type == "ps":
-        serve = _task.SERVE_CODE if plan.across_hosts else _task.SERVE_UNTIL_STOPPED_CODE
+        serve = (_task.SERVE_CODE if plan.serves_other_hosts else
+                 _task.SERVE_UNTIL_STOPPED_CODE)
         code, tail = prologue + serve, []
       else:
         code, tail = prologue + _task.WORKER_CODE, [plan.script] + plan.script_args
@@ -397,7 +404,8 @@ class _Job:
   def wait(self) -> Optional[_Failure]:
     """Waits for the workers; returns None if all succeeded, else the first failure.
 
-    In a job across hosts, this host's PS tasks serve the other hosts' workers too: once
+    In a job across two hosts or more, this host's PS tasks serve the other hosts' workers
+    too: once
     this host's workers succeeded, it waits for its PS tasks to end by themselves
     (`serve()` ends when every worker of the job has ended), not stopping them."""
     heartbeat = self._plan.heartbeat_timeout
@@ -408,7 +416,7 @@ class _Job:
       for task in self.tasks:
         code = task.poll()
         if task.task_type == "ps":
-          if code == 0 and self._plan.across_hosts:
+          if code == 0 and self._plan.serves_other_hosts:
             continue  # It saw every worker of the job end.
           if code is not None:
             how = _processes.describe_exit(code)
@@ -427,7 +435,7 @@ class _Job:
                           f"Task {task.name} {how} (its output is above).", how)
       if workers_done:
         serving = [t for t in self.tasks if t.task_type == "ps" and t.poll() is None]
-        if not (self._plan.across_hosts and serving):
+        if not (self._plan.serves_other_hosts and serving):
           return None
         if not said:
           said = True
