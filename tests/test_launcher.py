@@ -1060,8 +1060,8 @@ def test_a_signal_while_the_job_stops_lets_the_stop_finish(tmp_path):
   marker = uuid.uuid4().hex
   process = _start_and_wait_ready(["--workers", "2", str(script)], tmp_path, marker, 2)
   try:
-    while "term" not in process.stdout.readline():  # The launcher is stopping the job.
-      pass
+    # Worker 0 got SIGTERM: the launcher is stopping the job.
+    assert any("term" in line for line in process.stdout), process.stderr.read()
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM, err
