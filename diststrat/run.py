@@ -20,9 +20,9 @@ This module is the command line only: it checks the arguments and hands a `JobPl
 `cluster/_job.py`, which runs the job through the process layer (`cluster/_processes.py`,
 shared with `LocalCluster`). Nothing outlives the launcher: each task runs in its own
 process group, which the launcher kills when the job ends, on Ctrl-C (SIGINT), on
-SIGTERM and on SIGHUP (unless ignored, as under nohup); and each task asks Linux to
-kill it when the launcher dies, so a launcher killed with SIGKILL takes its tasks with
-it.
+SIGTERM and on SIGHUP (unless ignored when it starts, as SIGHUP under nohup); and each
+task asks Linux to kill it when the launcher dies, so a launcher killed with SIGKILL
+takes its tasks with it.
 
 Security (docs/security.md): TensorFlow's servers listen on every interface and run any
 graph any client sends. On one machine the job's processes run in a private network
@@ -234,9 +234,10 @@ def run(argv: list | None = None) -> int:
       stopping.append(signum)
       raise _job.Interrupted(signum)
 
-  # A SIGHUP that the launcher inherits ignored (`nohup`) stays ignored.
+  # A stop signal that the launcher inherits ignored stays ignored, as Python leaves it:
+  # SIGHUP under `nohup`, SIGINT in a shell script's background job (`... &`).
   previous = {sig: signal.signal(sig, interrupt) for sig in _STOP_SIGNALS
-              if not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN)}
+              if signal.getsignal(sig) != signal.SIG_IGN}
   try:
     return _job.run_job(options.plan())
   except _job.Interrupted as e:

@@ -1120,6 +1120,31 @@ def test_sighup_stops_the_job_and_what_its_tasks_started_unless_ignored_as_under
   _assert_none_left(marker, wait=15)
 
 
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.processes
+def test_sigint_ignored_at_start_stays_ignored_as_under_python(tmp_path):
+  """A shell script's background job (`diststrat-run ... &`) starts with SIGINT ignored,
+  so that Ctrl-C, which reaches the script's whole process group, leaves it running;
+  Python keeps ignoring it. The launcher stopped the job on it all the same."""
+  script = _write(tmp_path, "sleep.py", _SLEEPER)
+  marker = uuid.uuid4().hex
+  background = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731
+  process = _start_and_wait_ready(["--workers", "1", str(script)], tmp_path, marker, 1,
+                                  preexec_fn=background)
+  try:
+    process.send_signal(signal.SIGINT)  # Ignored, as by `python sleep.py &`.
+    time.sleep(0.5)
+    assert process.poll() is None, process.communicate(timeout=60)[1]
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.wait(10)
+  _assert_none_left(marker, wait=15)
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_log_dir_keeps_one_file_per_task_and_attempt(tmp_path):
