@@ -221,11 +221,6 @@ def run(argv: list | None = None) -> int:
     parser.error("the script to run is missing: diststrat-run [options] script.py "
                  "[script arguments]")
   args.script_args = _script_arguments(argv, args)
-  try:
-    options = _Options(args)
-  except LaunchError as e:
-    _job.say(str(e))
-    return e.status
   stopping: list[int] = []
 
   def interrupt(signum, frame):
@@ -235,10 +230,16 @@ def run(argv: list | None = None) -> int:
       raise _job.Interrupted(signum)
 
   # A stop signal that the launcher inherits ignored stays ignored, as Python leaves it:
-  # SIGHUP under `nohup`, SIGINT in a shell script's background job (`... &`).
+  # SIGHUP under `nohup`, SIGINT in a shell script's background job (`... &`). The
+  # handlers are in place before the checks, which may wait (`--hosts` names to resolve).
   previous = {sig: signal.signal(sig, interrupt) for sig in _STOP_SIGNALS
               if signal.getsignal(sig) != signal.SIG_IGN}
   try:
+    try:
+      options = _Options(args)
+    except LaunchError as e:
+      _job.say(str(e))
+      return e.status
     return _job.run_job(options.plan())
   except _job.Interrupted as e:
     _job.say(f"stopped by {signal.Signals(e.signum).name}; every task was stopped.")

@@ -1120,6 +1120,39 @@ def test_sighup_stops_the_job_and_what_its_tasks_started_unless_ignored_as_under
   _assert_none_left(marker, wait=15)
 
 
+@pytest.mark.processes
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_hosts_resolve_stops_the_launcher_without_a_traceback(tmp_path):
+  """Ctrl-C while the launcher resolves `--hosts` (a slow DNS answer: up to 10 s) printed
+  a Python traceback (KeyboardInterrupt, in the launcher's frames): the launcher took
+  the stop signals only from the job's start on."""
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  code = textwrap.dedent(f"""
+      import socket, sys, time
+      from diststrat import run
+
+      def slow_dns(*args, **kwargs):
+        print("resolving", flush=True)
+        time.sleep(30)
+
+      socket.getaddrinfo = slow_dns
+      sys.exit(run.run(["--workers", "1", "--hosts", "a.invalid", "--task-index", "0",
+                        {str(script)!r}]))
+      """)
+  process = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=_env("none"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    assert process.stdout.readline() == "resolving\n", process.communicate(timeout=30)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=30)
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.wait(10)
+  assert process.returncode == 128 + signal.SIGINT, err
+  assert "Traceback" not in err and "diststrat-run: stopped by SIGINT" in err, err
+
+
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
 @pytest.mark.processes
 def test_sigint_ignored_at_start_stays_ignored_as_under_python(tmp_path):
