@@ -193,6 +193,9 @@ class _Options:
     if self.multi_host:
       _job.check_hosts(self.hosts)
     self.log_dir = args.log_dir
+    if self.log_dir == "":
+      raise LaunchError("--log-dir must name a directory (made if missing). Received: "
+                        "--log-dir '', an empty path (an unset variable?).", _USAGE_ERROR)
     if self.log_dir is not None and os.path.exists(self.log_dir) and not os.path.isdir(
         self.log_dir):
       raise LaunchError(f"--log-dir must name a directory (made if missing). Received: "

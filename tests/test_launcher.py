@@ -805,6 +805,17 @@ def test_launcher_options_after_the_script_are_named_when_workers_is_missing(
           "diststrat-run --workers 2 train.py --epochs=3") in err, err
 
 
+def test_an_empty_log_dir_is_a_usage_error(tmp_path, monkeypatch, capfd):
+  """`--log-dir ""` (`--log-dir "$LOGS"` with LOGS unset) wrote the logs to
+  ./attempt_0/ of the working directory, saying nothing."""
+  monkeypatch.chdir(tmp_path)
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  assert launcher.run(["--workers", "1", "--log-dir", "", str(script)]) == 2
+  assert ("--log-dir must name a directory (made if missing). Received: --log-dir '', an "
+          "empty path") in capfd.readouterr().err
+  assert not (tmp_path / "attempt_0").exists()
+
+
 @pytest.mark.parametrize("args, match", [
     (["--task-index", "1"], "--task-index applies to a job across machines"),
     (["--hosts", "a,b", "--task-index", "2"], "Received: --task-index 2"),
