@@ -829,6 +829,17 @@ def test_bad_host_options(tmp_path, capfd, args, match):
   assert match in capfd.readouterr().err
 
 
+def test_hosts_with_ports_say_that_ports_come_from_port_base(tmp_path, capfd):
+  """`--hosts 10.0.0.1:2222,...` (addresses as TF_CONFIG writes them) was refused as a
+  name that "does not resolve", which did not say that the port was the matter."""
+  script = _write(tmp_path, "ok.py", "print('hi')\n")
+  assert launcher.run(["--workers", "1", "--hosts", "127.0.0.1:2222", "--task-index", "0",
+                       str(script)]) == 2
+  assert ("--hosts takes host names without ports: '127.0.0.1:2222' names port 2222. Give "
+          "the hosts alone (--hosts 127.0.0.1,...), and their first port with --port-base "
+          "2222") in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("hosts, match", [
     ("nosuchhost.invalid", "--hosts names 'nosuchhost.invalid', which does not resolve to an "
      "address"),

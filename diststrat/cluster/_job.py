@@ -77,7 +77,8 @@ def build_cluster_spec(hosts: list, num_ps: int, num_workers: int,
   {'ps': ['a:2222', 'b:2222'], 'worker': ['a:2223', 'a:2224', 'b:2223', 'b:2224']}
 
   Raises:
-    ValueError: no host, an empty host name, a host named twice, or ports beyond 65535.
+    ValueError: no host, an empty host name, a host with a port, a host named twice, or
+      ports beyond 65535.
   """
   if not hosts:
     raise ValueError(f"hosts must name at least one host. Received: hosts={hosts!r}")
@@ -85,6 +86,13 @@ def build_cluster_spec(hosts: list, num_ps: int, num_workers: int,
     empty = [bool(h) for h in hosts].index(False) + 1
     raise ValueError(f"hosts has an empty name (entry {empty} of {len(hosts)}: two commas "
                      f"in a row, or one at an end?). Received: hosts={hosts!r}")
+  for host in hosts:
+    name, colon, port = host.rpartition(":")
+    if colon and ":" not in name and port.isdigit():  # Not an IPv6 address.
+      raise ValueError(
+          f"--hosts takes host names without ports: {host!r} names port {port}. Give the "
+          f"hosts alone (--hosts {name},...), and their first port with --port-base "
+          f"{port}. Received: hosts={hosts!r}")
   if len(set(hosts)) != len(hosts):
     raise ValueError("Each host runs its tasks on the same ports, so a host can be named "
                      f"once only. Received: hosts={hosts!r}")
