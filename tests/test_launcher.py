@@ -1070,9 +1070,9 @@ def test_a_signal_while_the_job_stops_lets_the_stop_finish(tmp_path):
       subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                        start_new_session=True)
 
-      def stopped_slowly(signum, frame):
+      def stopped_slowly(signum, frame):  # Time for the test to signal the launcher.
         print("term", flush=True)
-        time.sleep(0.5)
+        time.sleep(1.5)
         os._exit(0)
 
       signal.signal(signal.SIGTERM, stopped_slowly)
