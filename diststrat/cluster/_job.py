@@ -413,9 +413,9 @@ class _Job:
     """Waits for the workers; returns None if all succeeded, else the first failure.
 
     In a job across two hosts or more, this host's PS tasks serve the other hosts' workers
-    too: once
-    this host's workers succeeded, it waits for its PS tasks to end by themselves
-    (`serve()` ends when every worker of the job has ended), not stopping them."""
+    too: once this host's workers succeeded, it waits for its PS tasks to end by
+    themselves (`serve()` ends when every worker of the job has ended), not stopping
+    them."""
     heartbeat = self._plan.heartbeat_timeout
     said = False
     while True:
