@@ -598,3 +598,33 @@ def test_a_keras_assign_add_to_a_sum_variable_adds_every_towers_delta(name, dtyp
   expected = counts(ds.DefaultStrategy())
   assert expected == [84, -168]
   np.testing.assert_array_equal(counts(STRATEGIES[name]()), expected)
+
+
+@pytest.mark.parametrize("kind", ["lstm_unrolled", "gru"])
+def test_recurrent_layers_with_both_dropouts_draw_each_towers_own_masks(kind):
+  # A recurrent cell caches its input and recurrent dropout masks on itself, and the
+  # towers share the cell: a tower used another tower's masks (a shape error on this
+  # ragged batch, 3 + 2) or drew again where the others did not
+  # (MergeCallMismatchError, unrolled). LSTM, GRU and SimpleRNN share the cache.
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(10, 4, 3)).astype(np.float32)
+  y = rng.normal(size=(10, 1)).astype(np.float32)
+  layer = {"lstm_unrolled": lambda: keras.layers.LSTM(4, dropout=0.2, recurrent_dropout=0.3,
+                                                      unroll=True),
+           "gru": lambda: keras.layers.GRU(4, dropout=0.2, recurrent_dropout=0.3)}[kind]
+
+  def make():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4, 3)), layer(), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+  with STRATEGIES["mirrored2"]().scope():
+    model = make()
+  history = model.fit(x, y, batch_size=5, epochs=2, verbose=0, shuffle=False).history
+  assert np.all(np.isfinite(history["loss"]))
+  assert_copies_equal(model.weights + model.optimizer.variables)
+  reference = make()  # One device, with the weights trained (no dropout in inference).
+  reference.set_weights(model.get_weights())
+  assert model.evaluate(x, y, batch_size=5, verbose=0) == pytest.approx(
+      reference.evaluate(x, y, batch_size=5, verbose=0), rel=1e-5, abs=1e-6)

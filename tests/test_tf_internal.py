@@ -1606,3 +1606,22 @@ def test_forward_accumulator_watching():
     tape.watch(x)
     assert not _tf_internal.forward_accumulator_watching([x]), _broke(
         "forward_accumulator_watching", "a tape's watched tensor is taken for a tangent")
+
+
+def test_keras_rnn_dropout_mask_slots():
+  lstm = keras.layers.LSTM(2, dropout=0.1, recurrent_dropout=0.1)
+  model = keras.Sequential([keras.Input((3, 2)), keras.layers.Bidirectional(lstm),
+                            keras.layers.Dense(1)])
+  slots = _tf_internal.keras_rnn_dropout_mask_slots(model)
+  assert slots, _broke("keras_rnn_dropout_mask_slots",
+                       f"Keras {keras.__version__} recurrent cells have no get_dropout_mask")
+  # The Bidirectional's two LSTMs' cells (not the unused original): two masks each.
+  assert len(slots) == 4 and len({id(cell) for cell, *_ in slots}) == 2
+  cell, attribute, get_method, reset_method = slots[0]
+  mask = getattr(cell, get_method)(tf.ones((2, 2)))
+  assert getattr(cell, attribute, None) is mask, _broke(
+      "keras_rnn_dropout_mask_slots",
+      f"Keras {keras.__version__} caches no dropout mask in {attribute}")
+  getattr(cell, reset_method)()
+  assert getattr(cell, attribute) is None
+  assert _tf_internal.keras_rnn_dropout_mask_slots(keras.layers.Dense(2)) == []

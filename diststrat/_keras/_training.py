@@ -405,10 +405,69 @@ def apply_summed(strategy, adapter, optimizer, grads, variables):
 # --- the step: routing, splitting, combining -------------------------------------------
 
 
+# --- a recurrent cell's dropout masks, one set per tower ------------------------------
+
+
+def route_dropout_masks(model):
+  """Makes each recurrent cell of `model` cache its dropout masks per tower.
+
+  Keras's recurrent cells (`LSTMCell`, `GRUCell`, `SimpleRNNCell`) draw their input and
+  recurrent dropout masks when their RNN layer is called, keep them in attributes of
+  the cell for every time step, and clear them at the end of the call. The towers share
+  the cell, and run one at a time, pausing at each `merge_call`, which every draw makes
+  (it advances the seed's state): a tower then found the masks another tower had just
+  drawn (another device's, with that tower's part of the batch: a shape error on a
+  ragged batch, another tower's mask otherwise), or found them cleared by another tower
+  and drew again where the others did not (`MergeCallMismatchError`). The cell's
+  `get_*` and `reset_*` methods are replaced on the instance: in a tower, each gives
+  Keras's own method that tower's cached mask, and keeps what it returns; anywhere
+  else they are Keras's own.
+  """
+  for cell, attribute, get_name, reset_name in \
+      _tf_internal.keras_rnn_dropout_mask_slots(model):
+    if get_name in vars(cell):
+      continue
+    masks = {}  # tower id -> the mask that tower drew
+    cell_ref = weakref.ref(cell)
+
+    def get(step_input, attribute=attribute, get_name=get_name, masks=masks,
+            cell_ref=cell_ref):
+      cell = cell_ref()
+      own = getattr(type(cell), get_name)
+      tower_id = _tower_id()
+      if tower_id is None:
+        return own(cell, step_input)
+      setattr(cell, attribute, masks.get(tower_id))
+      mask = own(cell, step_input)  # A draw pauses the tower; others may run.
+      masks[tower_id] = mask
+      return mask
+
+    def reset(reset_name=reset_name, masks=masks, cell_ref=cell_ref):
+      tower_id = _tower_id()
+      if tower_id is not None:
+        masks.pop(tower_id, None)
+      return getattr(type(cell_ref()), reset_name)(cell_ref())
+
+    # Plain instance attributes: Keras's own __setattr__ would try to track them.
+    object.__setattr__(cell, get_name, get)
+    object.__setattr__(cell, reset_name, reset)
+
+
+def _tower_id():
+  """The id of the tower of a strategy running now, or None outside any."""
+  tower = _context.get_tower_context()
+  if tower is None or tower is _context.default_tower_context():
+    return None
+  return tower.tower_id
+
+
 def route_step(adapter, fn):
-  """Routes what the Keras step `fn` updates: its model's optimizer and loss trackers."""
+  """Routes what the Keras step `fn` updates: its model's optimizer and loss trackers,
+  and the dropout masks of its recurrent cells."""
   model = getattr(fn, "__self__", None)
   route_optimizer(getattr(model, "optimizer", None), adapter)
+  if model is not None:
+    route_dropout_masks(model)
   if is_train_or_test_step(fn):
     for tracker in _tf_internal.keras_output_loss_trackers(model):
       route_loss_tracker(tracker, adapter)

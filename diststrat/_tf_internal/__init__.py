@@ -15,7 +15,7 @@ the job, in the module of its kind:
 | `_cluster_rpc` | probing a TensorFlow server; copying a remote handle; TensorFlow's error path, and knowing which calls are running; its wait for pending eager work |
 | `_variables` | a `tf.Variable` around an existing handle; the protocols a distributed variable answers for its components; a checkpoint value read when the save writes it; whether a checkpoint creates its save counter; a sliced assignment; whether a SavedModel is tracing; how a SavedModel describes wrapped values |
 | `_tapes` | recording on gradient tapes; whether one of this thread's tapes is recording, or one of its forward accumulators watches a tensor |
-| `_keras` | Keras 3 variables, optimizers, per-output loss trackers, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable, and the delta of a Keras `assign_add`; a thread's Keras global state (its global seed generator, name counters and dtype policy) |
+| `_keras` | Keras 3 variables, optimizers, per-output loss trackers, the dropout masks a recurrent cell caches, `fit`'s callbacks and `BackupAndRestore`'s paths; which Keras code creates a variable, and the delta of a Keras `assign_add`; a thread's Keras global state (its global seed generator, name counters and dtype policy) |
 | `_distribute_stack` | TensorFlow's per-thread distribution-mode stack (`tf.distribute.get_strategy()`) |
 | `_autograph` | letting diststrat's errors through AutoGraph; removing its generated files before `os._exit` |
 
@@ -66,6 +66,7 @@ from diststrat._tf_internal._keras import keras_epoch_iterator_dataset as keras_
 from diststrat._tf_internal._keras import keras_fit_callbacks as keras_fit_callbacks
 from diststrat._tf_internal._keras import keras_optimizer_strategy as keras_optimizer_strategy
 from diststrat._tf_internal._keras import keras_seed_generators as keras_seed_generators
+from diststrat._tf_internal._keras import keras_rnn_dropout_mask_slots as keras_rnn_dropout_mask_slots
 from diststrat._tf_internal._keras import keras_thread_globals as keras_thread_globals
 from diststrat._tf_internal._keras import keras_global_seed_generator as keras_global_seed_generator
 from diststrat._tf_internal._keras import set_keras_global_seed_generator as set_keras_global_seed_generator
@@ -154,6 +155,7 @@ __all__ = [
     "record_variable_read",
     # Keras
     "called_by_keras_loss", "called_by_keras_trainer", "keras_backing_variable", "keras_optimizer_strategy", "keras_seed_generators",
+    "keras_rnn_dropout_mask_slots",
     "keras_thread_globals", "keras_global_seed_generator", "set_keras_global_seed_generator",
     "keras_name_counters", "set_keras_name_counters", "keras_dtype_policy",
     "set_keras_dtype_policy",

@@ -13,6 +13,8 @@
 - The callbacks of the `fit` call running (`keras_fit_callbacks`), and the file paths a
   `BackupAndRestore` callback derives from its directory (`set_keras_backup_dir`,
   `restore_keras_backup_dir`).
+- Where a recurrent cell caches its dropout masks between its RNN layer's steps
+  (`keras_rnn_dropout_mask_slots`).
 - Which Keras code is creating a variable (layer state, a random seed's state) is told
   by no argument of the variable creator; the creating frames say it
   (`keras_variable_origin`).
@@ -64,6 +66,33 @@ def keras_seed_generators(layer):
         seen.add(id(generator))
         generators.append(generator)
   return generators
+
+
+def keras_rnn_dropout_mask_slots(layer):
+  """Where Keras 3 caches the dropout masks of the recurrent cells of `layer` and its
+  sublayers: one `(cell, attribute, get_method, reset_method)` per mask, [] for a layer
+  with no such cell.
+
+  A cell that mixes in Keras's `DropoutRNNCell` (`LSTMCell`, `GRUCell`,
+  `SimpleRNNCell`, ...) draws its input and recurrent dropout masks once per call of its
+  RNN layer and keeps them in the plain attributes `_dropout_mask` and
+  `_recurrent_dropout_mask` until the layer resets them; there is no public accessor.
+  """
+  flatten = getattr(layer, "_flatten_layers", None)
+  layers = list(flatten(include_self=True, recursive=True)) if flatten else [layer]
+  slots, seen = [], set()
+  for cell in layers:
+    if id(cell) in seen:
+      continue
+    seen.add(id(cell))
+    for attribute, get_method, reset_method in (
+        ("_dropout_mask", "get_dropout_mask", "reset_dropout_mask"),
+        ("_recurrent_dropout_mask", "get_recurrent_dropout_mask",
+         "reset_recurrent_dropout_mask")):
+      if callable(getattr(type(cell), get_method, None)) and \
+          callable(getattr(type(cell), reset_method, None)):
+        slots.append((cell, attribute, get_method, reset_method))
+  return slots
 
 
 def keras_optimizer_step_count(optimizer):
