@@ -578,7 +578,18 @@ class DistributionStrategy:
     for hook in _variable_creation_hooks:
       hook(self)
     variable = self._create_variable(next_creator, kwargs, self._colocation_target())
-    if isinstance(variable, tf.Variable) and _variables.created_by(variable) is None:
+    if not isinstance(variable, tf.Variable):
+      # TensorFlow would go on with it, and fail with a bare NotImplementedError (for
+      # None) or far from here.
+      raise TypeError(
+          f"{type(self).__name__}._create_variable() must return the variable it created "
+          "(a tf.Variable, or a distributed variable such as "
+          "diststrat.values.MirroredVariable). Received: "
+          f"{_arguments.short_repr(variable)} ({type(variable).__name__}) for the "
+          f"variable {_arguments.variable_name(kwargs)!r}. Return what "
+          "next_creator(**kwargs) gives (or the distributed variable wrapping the copies "
+          "it made).")
+    if _variables.created_by(variable) is None:
       # A plain variable made by this strategy's policy (a strategy that keeps one copy,
       # as docs/write_your_own_strategy.md's example does): code checking where a
       # variable comes from (a Keras model's) then knows it is this strategy's.

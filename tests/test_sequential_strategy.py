@@ -195,3 +195,29 @@ def test_towers_get_their_share_of_a_split_batch(use_function):
   assert shares["sequential"] == shares["mirrored"]
   np.testing.assert_allclose(shares["sequential"],
                              [len(part) / 7 for part in np.array_split(data, 3)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("use_function", [False, True])
+@pytest.mark.parametrize("returned", [None, "copies"])
+def test_create_variable_must_return_the_variable(use_function, returned):
+  # A _create_variable that forgot to return (or returned the copies it made) failed in
+  # TensorFlow with a bare NotImplementedError, naming neither the hook nor the fix.
+  class Forgetful(SequentialStrategy):
+
+    def _create_variable(self, next_creator, kwargs, colocate_with):
+      made = super()._create_variable(next_creator, kwargs, colocate_with)
+      return None if returned is None else {self._devices[-1]: made}
+
+  s = Forgetful(CPUS[:2])
+  created = []
+
+  def make():
+    if not created:  # tf.function creates variables on its first trace only.
+      created.append(tf.Variable(1.0, name="w"))
+    return created[0].read_value()
+
+  kind = r"None \(NoneType\)" if returned is None else r"\{'/job:.* \(dict\)"
+  with s.scope(), pytest.raises(TypeError, match=(
+      r"Forgetful._create_variable\(\) must return the variable it created .*Received: "
+      rf"{kind} for the variable 'w'\. Return what next_creator\(\*\*kwargs\) gives")):
+    tf.function(make)() if use_function else make()
