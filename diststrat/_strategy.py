@@ -557,6 +557,22 @@ class DistributionStrategy:
     """Context manager for subclasses: run the body as the tower of `tower_context`."""
     return _context.enter_mode(self, tower_context)
 
+  def _capture_thread_state(self):
+    """For a strategy that runs its towers in threads: what a tower's thread must share
+    with the thread that called `call_for_each_tower`, captured in that calling thread.
+
+    Returns an object whose `enter(device=None, slot=None)` is a context manager, entered
+    in the tower's thread (around `_tower_scope`): the body then runs with the caller's
+    graph (a `tf.function` being traced), name scope, variable creators (so variables the
+    tower creates go through `_create_variable`), control dependencies, device scope
+    (`device` replaces it), op callbacks, diststrat context (this strategy's cross-tower
+    context, `colocate_vars_with`) and Keras's per-thread state (its seed generator,
+    dtype policy and layer name counters; `slot` is the tower's index: tower 0 counts
+    names in the caller's counters, the others in a copy, so every tower names the
+    layers it creates alike). One captured state serves every tower of one call.
+    """
+    return _context.ThreadState()
+
   def _variable_creation_scope(self):
     """Context manager in which tf.Variable() follows this strategy's policy.
 
