@@ -28,6 +28,8 @@ AggregationArgument = Union[str, tf.VariableAggregation]
 Destinations = Any
 """None, a device string or a list of them, a variable, or a wrapped value."""
 
+_towers_entered_lock = threading.Lock()
+
 # Functions `hook(strategy)` called whenever a variable is created in a strategy's scope,
 # before the strategy creates it (`add_variable_creation_hook`).
 _variable_creation_hooks: list[Callable[[Any], None]] = []
@@ -275,7 +277,16 @@ class DistributionStrategy:
       The towers' results regrouped (see `diststrat.values.regroup`).
     """
     _arguments.check_callable("call_for_each_tower", "fn", fn)
-    return self._call_for_each_tower(fn, args, kwargs)
+    entered = self._towers_entered()
+    try:
+      result = self._call_for_each_tower(fn, args, kwargs)
+    except Exception as e:
+      if self._towers_entered() == entered:  # The likely cause of what fn raised.
+        errors.add_note(e, f"(note: {self._no_tower_message()})")
+      raise
+    if self._towers_entered() == entered:
+      raise errors.ContextError(self._no_tower_message())
+    return result
 
   @cross_tower_method
   def reduce(self, aggregation: AggregationArgument, value: Any,
@@ -555,7 +566,21 @@ class DistributionStrategy:
 
   def _tower_scope(self, tower_context):
     """Context manager for subclasses: run the body as the tower of `tower_context`."""
+    with _towers_entered_lock:
+      self.__dict__["_towers_entered_count"] = self._towers_entered() + 1
     return _context.enter_mode(self, tower_context)
+
+  def _towers_entered(self):
+    """How many towers `_tower_scope` has run, in any thread: `call_for_each_tower`
+    checks that its hook ran at least one."""
+    return self.__dict__.get("_towers_entered_count", 0)
+
+  def _no_tower_message(self):
+    name = type(self).__name__
+    return (f"{name}._call_for_each_tower() ran no tower: it must run fn inside "
+            "`with tf.device(device), self._tower_scope(ds.TowerContext(self, tower_id, "
+            "num_towers, device)):`, once per tower, so that get_tower_context() and "
+            "merge_call() work in fn (docs/write_your_own_strategy.md).")
 
   def _capture_thread_state(self):
     """For a strategy that runs its towers in threads: what a tower's thread must share

@@ -1,5 +1,7 @@
 """A strategy written only by filling hooks works end to end, against numpy."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -221,3 +223,41 @@ def test_create_variable_must_return_the_variable(use_function, returned):
       r"Forgetful._create_variable\(\) must return the variable it created .*Received: "
       rf"{kind} for the variable 'w'\. Return what next_creator\(\*\*kwargs\) gives")):
     tf.function(make)() if use_function else make()
+
+
+class _NoTowerScope(SequentialStrategy):
+  """Runs fn on each device, but forgets to enter the tower's context."""
+
+  def _call_for_each_tower(self, fn, args, kwargs):
+    results = []
+    for device in self._devices:
+      with tf.device(device):
+        results.append(fn(*ds.values.select_device(device, args),
+                          **ds.values.select_device(device, kwargs)))
+    return ds.values.regroup(results, self._devices)
+
+
+_NO_TOWER = (r"_NoTowerScope._call_for_each_tower\(\) ran no tower: it must run fn inside "
+             r"`with tf.device\(device\), self._tower_scope\(ds.TowerContext\(self, tower_id, "
+             r"num_towers, device\)\):`, once per tower")
+
+
+@pytest.mark.parametrize("use_function", [False, True])
+def test_a_call_for_each_tower_hook_that_enters_no_tower_is_named(use_function):
+  # A hook that ran fn outside _tower_scope went unnoticed: fn ran in the cross-tower
+  # context (get_tower_context() None; Keras's fit ran as if there were no towers), or
+  # failed far from the cause (an optimizer's apply_gradients "must be called from a
+  # tower (inside call_for_each_tower)", where it was).
+  s = _NoTowerScope(CPUS[:2])
+  step = lambda: s.call_for_each_tower(lambda: tf.constant(1.0))  # noqa: E731
+  with s.scope(), pytest.raises(ds.errors.ContextError, match=_NO_TOWER):
+    tf.function(step)() if use_function else step()
+
+  with s.scope():
+    w = tf.Variable(1.0)
+    optimizer = ds.optimizers.GradientDescent(0.1)
+    step = lambda: s.call_for_each_tower(  # noqa: E731
+        lambda: optimizer.minimize(lambda: w * w, var_list=[w]))
+    with pytest.raises(ds.errors.ContextError, match="must be called from a tower") as info:
+      tf.function(step)() if use_function else step()
+  assert re.search(_NO_TOWER, "\n".join(getattr(info.value, "__notes__", [])))

@@ -58,7 +58,7 @@ class DefaultStrategy(DistributionStrategy):
   def _call_for_each_tower(self, fn, args, kwargs):
     if not tf.executing_eagerly():
       fn = _tower_threads.autograph_tower_fn(fn)
-    with _context.enter_mode(self, _context.TowerContext(self, 0, 1)):
+    with self._tower_scope(_context.TowerContext(self, 0, 1)):
       return fn(*args, **kwargs)
 
   def _default_destinations(self):
