@@ -41,6 +41,7 @@ carries Keras's global seed generator this way (diststrat/_keras/_thread_globals
 
 import contextlib
 import functools
+import numbers
 import threading
 import types
 import typing
@@ -265,6 +266,10 @@ def colocation_scope(strategy, var):
     stack.pop()
 
 
+def _is_int(value):
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 class TowerContext:
   """The context of one tower: its id, the tower count, and `merge_call`.
 
@@ -284,9 +289,20 @@ class TowerContext:
   def __init__(self, distribution_strategy: typing.Any, tower_id: typing.Any,
                num_towers: int = 1, device: typing.Optional[str] = None,
                batch_share: typing.Any = None) -> None:
+    if not _is_int(num_towers) or num_towers < 1:
+      raise ValueError(
+          "TowerContext(distribution_strategy, tower_id, num_towers, device) takes the "
+          "number of towers of the call as num_towers, an integer >= 1. Received: "
+          f"num_towers={num_towers!r}."
+          + (" Pass the device by name: TowerContext(strategy, tower_id, num_towers, "
+             "device=device)." if isinstance(num_towers, str) else ""))
+    if not _is_int(tower_id) or not 0 <= tower_id < num_towers:
+      raise ValueError(
+          f"TowerContext takes tower_id, an integer from 0 to num_towers - 1 "
+          f"({num_towers - 1}). Received: tower_id={tower_id!r}.")
     self._strategy = distribution_strategy
-    self._tower_id = tower_id
-    self._num_towers = num_towers
+    self._tower_id = int(tower_id)
+    self._num_towers = int(num_towers)
     self._device = _devices.canonicalize(device) if device else None
     self._batch_share = batch_share
 

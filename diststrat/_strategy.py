@@ -566,8 +566,16 @@ class DistributionStrategy:
 
   def _tower_scope(self, tower_context):
     """Context manager for subclasses: run the body as the tower of `tower_context`."""
-    with _towers_entered_lock:
+    with _towers_entered_lock:  # Counted first: a bad context is not "no tower".
       self.__dict__["_towers_entered_count"] = self._towers_entered() + 1
+    if tower_context.distribution_strategy is not self or \
+        tower_context.num_towers != self._num_towers():
+      raise ValueError(
+          f"{type(self).__name__}._tower_scope() takes this strategy's TowerContext for "
+          f"one of its {self._num_towers()} towers (_num_towers()): "
+          "ds.TowerContext(self, tower_id, num_towers, device). Received: "
+          f"{tower_context!r}. Pass self and the tower count: diststrat's optimizers "
+          "and Keras's losses weigh each tower by 1/num_towers.")
     return _context.enter_mode(self, tower_context)
 
   def _towers_entered(self):

@@ -261,3 +261,43 @@ def test_a_call_for_each_tower_hook_that_enters_no_tower_is_named(use_function):
     with pytest.raises(ds.errors.ContextError, match="must be called from a tower") as info:
       tf.function(step)() if use_function else step()
   assert re.search(_NO_TOWER, "\n".join(getattr(info.value, "__notes__", [])))
+
+
+class _OneTowerContexts(SequentialStrategy):
+  """Gives every tower a TowerContext that leaves num_towers at its default, 1."""
+
+  def _call_for_each_tower(self, fn, args, kwargs):
+    results = []
+    for tower_id, device in enumerate(self._devices):
+      with tf.device(device), self._tower_scope(ds.TowerContext(self, tower_id,
+                                                                device=device)):
+        results.append(fn(*ds.values.select_device(device, args),
+                          **ds.values.select_device(device, kwargs)))
+    return ds.values.regroup(results, self._devices)
+
+
+@pytest.mark.parametrize("use_function", [False, True])
+def test_a_tower_context_must_count_the_strategys_towers(use_function):
+  # A TowerContext left at num_towers=1 on 2 towers trained silently with twice one
+  # device's gradient (diststrat's optimizers weigh each tower by 1/num_towers), and one
+  # given the device as its third argument failed in the optimizer with "unsupported
+  # operand type(s) for /: 'float' and 'str'".
+  s = _OneTowerContexts(CPUS[:2])
+  with s.scope():
+    w = tf.Variable(1.0)
+    optimizer = ds.optimizers.GradientDescent(0.1)
+    step = lambda: s.call_for_each_tower(  # noqa: E731
+        lambda: optimizer.minimize(lambda: w * w, var_list=[w]))
+    with pytest.raises(ValueError, match=(
+        r"_OneTowerContexts._tower_scope\(\) takes this strategy's TowerContext for one of "
+        r"its 2 towers .*Received: TowerContext\(tower_id=0, num_towers=1, ")):
+      tf.function(step)() if use_function else step()
+  assert w.numpy() == 1.0
+
+  with pytest.raises(ValueError, match=r"takes the number of towers of the call as "
+                     r"num_towers, an integer >= 1. Received: num_towers='/cpu:1'. Pass the "
+                     r"device by name"):
+    ds.TowerContext(s, 1, "/cpu:1")
+  with pytest.raises(ValueError, match=r"tower_id, an integer from 0 to num_towers - 1 "
+                     r"\(1\). Received: tower_id=2"):
+    ds.TowerContext(s, 2, 2)
