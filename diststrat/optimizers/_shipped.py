@@ -126,7 +126,10 @@ class Momentum(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   """`accum = momentum * accum + grad; var -= learning_rate * accum`.
 
   With `use_nesterov=True`: `var -= learning_rate * (grad + momentum * accum)`. The
-  accumulator is the slot `"momentum"`.
+  accumulator is the slot `"momentum"`. A float16 or bfloat16 variable gets a float32
+  accumulator and its update is computed in float32, then rounded to the variable's
+  dtype (in bfloat16, a momentum of 0.9 is 0.898, and an accumulator ten times the
+  gradient drops most of each gradient's low bits).
   """
 
   def __init__(self, learning_rate: Any, momentum: Any, use_nesterov: bool = False,
@@ -138,9 +141,18 @@ class Momentum(_HyperMixin, DistributedOptimizerMixin, Optimizer):
 
   def _create_slots(self, var_list):
     for var in var_list:
-      self._zeros_slot(var, "momentum")
+      self._zeros_slot(var, "momentum", _math_dtype(var))
 
   def _apply_dense(self, grad, var):
+    dtype = _math_dtype(var)
+    if dtype != var.dtype.base_dtype:  # Half precision: the formula, in float32.
+      mu = self._hyper("momentum", dtype)
+      grad = tf.cast(grad, dtype)
+      accum = self.get_slot(var, "momentum")
+      accum_t = accum.assign(mu * accum + grad)
+      step = grad + mu * accum_t if self._use_nesterov else accum_t
+      step = self._hyper("learning_rate", dtype) * step
+      return var.assign_sub(tf.cast(step, var.dtype), read_value=False)
     # One fused kernel: accum = mu * accum + grad; var -= lr * accum (or Nesterov's step).
     return tf.raw_ops.ResourceApplyMomentum(
         var=var.handle, accum=self.get_slot(var, "momentum").handle,
@@ -149,13 +161,15 @@ class Momentum(_HyperMixin, DistributedOptimizerMixin, Optimizer):
 
   def _apply_sparse(self, grad, var):
     grad = self._deduplicate(grad)
-    lr = self._hyper("learning_rate", var.dtype)
-    mu = self._hyper("momentum", var.dtype)
+    dtype = _math_dtype(var)
+    values = tf.cast(grad.values, dtype)
+    lr = self._hyper("learning_rate", dtype)
+    mu = self._hyper("momentum", dtype)
     accum = self.get_slot(var, "momentum")
-    new_rows = mu * tf.gather(accum, grad.indices) + grad.values
+    new_rows = mu * tf.gather(accum, grad.indices) + values
     accum.scatter_update(tf.IndexedSlices(new_rows, grad.indices))
-    step = grad.values + mu * new_rows if self._use_nesterov else new_rows
-    return var.scatter_sub(tf.IndexedSlices(lr * step, grad.indices))
+    step = values + mu * new_rows if self._use_nesterov else new_rows
+    return var.scatter_sub(tf.IndexedSlices(tf.cast(lr * step, var.dtype), grad.indices))
 
 
 class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
