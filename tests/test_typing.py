@@ -128,3 +128,19 @@ def test_an_any_return_type_is_caught():
 
   assert _contains_any(_return_type(getter))
   assert not _contains_any(_return_type(diststrat.get_update_device))
+
+
+# --- hyperparameters: what the annotations admit is what the optimizers take ----------
+
+HYPERPARAMETERS = [(optimizers.GradientDescent, ["learning_rate"]),
+                   (optimizers.Momentum, ["learning_rate", "momentum"]),
+                   (optimizers.Adam, ["learning_rate", "beta1", "beta2", "epsilon"])]
+
+
+@pytest.mark.parametrize("cls, names", HYPERPARAMETERS, ids=lambda x: getattr(x, "__name__", ""))
+def test_hyperparameter_annotations_admit_tensors_variables_and_schedules(cls, names):
+  """docs/optimizers.md: a hyperparameter may be a number, a tensor, a variable or a
+  callable; an annotation of `float` would make type checkers refuse all but numbers."""
+  hints = typing.get_type_hints(cls.__init__)
+  narrow = {name: hints[name] for name in names if hints[name] is not typing.Any}
+  assert not narrow, f"{cls.__name__}: {narrow}"

@@ -186,8 +186,8 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   rounds to 1 in bfloat16 (`v` stayed 0 and the steps exploded).
   """
 
-  def __init__(self, learning_rate: Any = 0.001, beta1: float = 0.9, beta2: float = 0.999,
-               epsilon: float = 1e-8, loss_reduction: str = "mean", name: str = "Adam") -> None:
+  def __init__(self, learning_rate: Any = 0.001, beta1: Any = 0.9, beta2: Any = 0.999,
+               epsilon: Any = 1e-8, loss_reduction: str = "mean", name: str = "Adam") -> None:
     super().__init__(name, loss_reduction=loss_reduction)
     self._learning_rate = _hyperparameter(type(self).__name__, "learning_rate", learning_rate)
     self._beta1 = _hyperparameter(type(self).__name__, "beta1", beta1)
