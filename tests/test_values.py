@@ -1,6 +1,8 @@
 """Wrapped values, regroup and select_device (docs/concepts.md, "Wrapped values")."""
 
 import collections
+import types
+import typing
 
 import numpy as np
 import pytest
@@ -30,6 +32,17 @@ def test_duplicate_device_raises():
     PerDevice({"/cpu:1": 1, "/device:CPU:1": 2})
   with pytest.raises(ValueError, match="non-empty dict from device to value"):
     Mirrored({})
+
+
+def test_index_annotation_says_what_is_taken():
+  """A dict (as docs/concepts.md says; another mapping is refused), keyed by device
+  strings or `tf.DeviceSpec`s: the annotation said `Mapping[str, Any]`."""
+  for cls in (DistributedValues, ds.values.DistributedVariable):
+    hint = typing.get_type_hints(cls.__init__)["index"]
+    assert typing.get_origin(hint) is dict and typing.get_args(hint) == (typing.Any, typing.Any)
+  with pytest.raises(ValueError, match="non-empty dict from device to value"):
+    PerDevice(types.MappingProxyType({"/cpu:0": 1}))
+  assert PerDevice({tf.DeviceSpec.from_string("/cpu:1"): 1}).devices == (CPUS[1],)
 
 
 def test_get_uses_tower_update_then_device_scope():

@@ -24,7 +24,7 @@ the loaded functions, whose copies are all that one variable, compute what they 
 
 import copy
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 import weakref
 
 import numpy as np
@@ -161,7 +161,7 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     """Makes `tf.is_tensor()` true, as for a tf.Variable (tf.GradientTape.watch checks it)."""
     return True
 
-  def __init__(self, index: Mapping[str, Any],
+  def __init__(self, index: dict[Any, Any],
                aggregation: Any = tf.VariableAggregation.NONE,
                strategy: Any = None) -> None:
     _wrapped.DistributedValues.__init__(self, index)

@@ -1,7 +1,7 @@
 """Wrapped values: one value per device, and moving between per-tower and wrapped forms."""
 
 import collections
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from diststrat._tf import tf
 from diststrat import _arguments
@@ -26,7 +26,7 @@ class DistributedValues:
 
   _holds_copies = False  # True when every component is a copy of one value.
 
-  def __init__(self, index: Mapping[str, Any]) -> None:
+  def __init__(self, index: dict[Any, Any]) -> None:
     if not isinstance(index, dict) or not index:
       raise ValueError(f"{type(self).__name__} takes a non-empty dict from device to value. "
                        f"Received: {index!r}")
