@@ -144,3 +144,9 @@ def test_hyperparameter_annotations_admit_tensors_variables_and_schedules(cls, n
   hints = typing.get_type_hints(cls.__init__)
   narrow = {name: hints[name] for name in names if hints[name] is not typing.Any}
   assert not narrow, f"{cls.__name__}: {narrow}"
+
+
+def test_serve_is_annotated_as_never_returning():
+  """`cluster.serve()` never returns (it serves until the job ends, then ends the
+  process; its docs say so): `NoReturn` tells type checkers, where `None` did not."""
+  assert typing.get_type_hints(cluster.serve)["return"] is typing.NoReturn

@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import time
+import typing
 
 from diststrat._tf import tf
 from diststrat import _arguments
@@ -131,7 +132,7 @@ def wait_until_workers_done(workers: list, gone_for: float) -> None:
 
 def serve(cluster_spec: dict | None = None, task_type: str | None = None,
           task_id: int | None = None, *,
-          workers_gone_for: float | None = WORKERS_GONE_FOR) -> None:
+          workers_gone_for: float | None = WORKERS_GONE_FOR) -> typing.NoReturn:
   """Runs this process's task of a cluster as a TensorFlow server; never returns.
 
   The task is the one given, else the one `TF_CONFIG` names, else the one of a Slurm
@@ -187,5 +188,11 @@ def serve(cluster_spec: dict | None = None, task_type: str | None = None,
           f"worker of its job has ended (none has answered at its address for "
           f"{workers_gone_for:g} s).", file=sys.stderr, flush=True)
     raise SystemExit(0)  # The server object lives until the process ends.
-  while server is not None:  # The server stops when its object is deleted: keep it.
+  _hold_forever(server)
+
+
+def _hold_forever(server: typing.Any) -> typing.NoReturn:
+  """Sleeps until the process is stopped, holding `server`: a TensorFlow server stops
+  when its object is deleted."""
+  while True:
     time.sleep(_SLEEP)
