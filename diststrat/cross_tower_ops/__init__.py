@@ -3,7 +3,8 @@
 `CrossTowerOps` is the base class; `ReductionToOneDevice` and `AllReduceCrossTowerOps`
 ship, `choose_cross_tower_ops(devices)` picks one for a set of devices instantly, and
 `MeasuredCrossTowerOps` (`MirroredStrategy`'s default) picks by timing them. See
-docs/cross_tower_ops.md.
+docs/cross_tower_ops.md. `CrossWorkerAllReduce` reduces across the worker processes of
+a `MultiWorkerMirroredStrategy`, its `cross_worker_ops` (docs/multi_worker.md).
 """
 
 from diststrat.cross_tower_ops._all_reduce import AllReduceCrossTowerOps as AllReduceCrossTowerOps
