@@ -44,12 +44,15 @@ class PerDeviceDataset:
         `len(devices)` parts from `first_tower` on: its share of every global batch.
 
     Raises:
+      TypeError: `dataset` is not a `tf.data.Dataset`.
       ValueError: with devices, `first_tower` is negative or the `len(devices)` parts
         from it on are not all among the `num_towers` parts.
     """
     if not isinstance(dataset, tf.data.Dataset):
-      raise TypeError("distribute_dataset() needs dataset_fn to return a tf.data.Dataset of "
-                      f"global batches. Received: {type(dataset).__name__}")
+      raise TypeError(
+          "PerDeviceDataset takes a tf.data.Dataset of global batches (distribute_dataset() "
+          "gives it what dataset_fn returns, so it needs dataset_fn to return a "
+          f"tf.data.Dataset). Received: {type(dataset).__name__}")
     self._devices = tuple(devices) if devices else None
     self._share = (first_tower, num_towers or len(self._devices or ()))
     if self._devices is not None:

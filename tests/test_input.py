@@ -562,3 +562,15 @@ def test_a_share_of_each_batch_that_does_not_fit_the_devices_is_refused(share, m
     batch = next(iter(ds.PerDeviceDataset(dataset, CPUS[:2], **share)))
     assert [part.numpy().tolist() for part in batch.values] == expected
     assert batch.devices == tuple(CPUS[:2])
+
+
+def test_per_device_dataset_of_something_else_names_itself():
+  """`PerDeviceDataset` given something other than a dataset, directly, said that
+  `distribute_dataset()` needs `dataset_fn` to return one: a call the caller never made.
+  It names itself, and still says what `dataset_fn` must return for that path."""
+  with pytest.raises(TypeError, match=r"^PerDeviceDataset takes a tf.data.Dataset of global "
+                                      r"batches .* Received: list"):
+    ds.PerDeviceDataset([1, 2], CPUS[:2])
+  s = ds.MirroredStrategy(CPUS[:2])
+  with pytest.raises(TypeError, match="needs dataset_fn to return a tf.data.Dataset"):
+    s.distribute_dataset(lambda: [1, 2])
