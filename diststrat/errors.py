@@ -1,9 +1,13 @@
 """The exceptions diststrat raises.
 
-Wrong contexts and cluster faults are `RuntimeError` subclasses; bad arguments are
-`ValueError` subclasses, so code that catches the builtin types keeps working. Inside a
-`tf.function` they reach the caller as themselves (type, message and notes), as in eager
-mode: AutoGraph is told to let them through.
+Each subclasses a builtin exception, so code that catches the builtin types keeps
+working: a wrong context (`ContextError`), towers that do not all reach a `merge_call`
+(`MergeCallMismatchError`) or overrun their timeout (`TowerTimeoutError`), and cluster
+faults (`ClusterError`) are `RuntimeError`s; towers' structures that differ
+(`StructureMismatchError`) are a `ValueError`. Bad arguments raise plain `ValueError` or
+`TypeError` (docs/concepts.md, "Errors"). Inside a `tf.function` they reach the caller as
+themselves (type, message and notes), as in eager mode: AutoGraph is told to let them
+through.
 """
 
 import functools
