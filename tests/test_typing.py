@@ -150,3 +150,14 @@ def test_serve_is_annotated_as_never_returning():
   """`cluster.serve()` never returns (it serves until the job ends, then ends the
   process; its docs say so): `NoReturn` tells type checkers, where `None` did not."""
   assert typing.get_type_hints(cluster.serve)["return"] is typing.NoReturn
+
+
+def test_cache_reads_max_bytes_admits_none_as_documented():
+  """`ParameterServerStrategy(cache_reads_max_bytes=None)` means no limit (its docstring
+  and docs/parameter_server.md) and is taken, but the annotation was `int`."""
+  hints = typing.get_type_hints(diststrat.ParameterServerStrategy.__init__)
+  assert _NONE in _members(hints["cache_reads_max_bytes"]), hints["cache_reads_max_bytes"]
+  strategy = diststrat.ParameterServerStrategy(worker_devices=["/cpu:0"],
+                                               ps_devices=["/cpu:1"],
+                                               cache_reads_max_bytes=None)
+  assert strategy.parameter_devices[0].endswith("CPU:1")

@@ -163,7 +163,7 @@ class ParameterServerStrategy(_cluster_spec.ClusterTaskMixin, DistributionStrate
                tower_timeout: float = _tower_threads.DEFAULT_TOWER_TIMEOUT,
                step_timeout: Optional[float] = DEFAULT_STEP_TIMEOUT,
                cache_reads: Optional[bool] = None,
-               cache_reads_max_bytes: int = _read_cache.DEFAULT_MAX_BYTES) -> None:
+               cache_reads_max_bytes: Optional[int] = _read_cache.DEFAULT_MAX_BYTES) -> None:
     super().__init__()
     step_timeout = _arguments.seconds("step_timeout", step_timeout)
     tower_timeout = _arguments.seconds("tower_timeout", tower_timeout, allow_none=False)
