@@ -361,3 +361,28 @@ def test_towers_wait_for_a_slow_merge_fn_or_their_turn_however_long(where, monke
     result = strategy.call_for_each_tower(fn)
   tower_ids, merged = result
   assert (tower_ids.values, merged) == ((0, 1, 2), "merged")
+
+
+def test_a_tower_unwinding_from_a_failed_call_stops_at_its_next_merge_call(monkeypatch,
+                                                                          no_thread_leak):
+  # Tower 0, paused at merge_call when tower 1 failed, unwinds through its `finally`,
+  # which calls merge_call again: it waited there for a turn that never came, so the
+  # call raised only after 30 s (shortened here) and the thread waited for ever.
+  monkeypatch.setattr(_tower_threads, "_JOIN_TIMEOUT", 0.5)
+  strategy = ds.MirroredStrategy(CPUS[:2])
+  merged = []
+
+  def fn():
+    ctx = ds.get_tower_context()
+    if ctx.tower_id == 1:
+      raise KeyError("tower 1 failed")
+    try:
+      ctx.merge_call(lambda s: merged.append("step"))
+    finally:
+      ctx.merge_call(lambda s: merged.append("cleanup"))
+
+  with strategy.scope():
+    with pytest.raises(KeyError, match="tower 1 failed"):
+      strategy.call_for_each_tower(fn)
+  assert _tower_threads.abandoned_tower_threads() == []
+  assert merged == []

@@ -303,6 +303,10 @@ class _Tower:
 
   def pause_for_merge(self, merge_fn, args, kwargs):
     """Called in the tower thread by merge_call: hand over, wait, return our part."""
+    if self.aborted:
+      # Unwinding from its failed call (a merge_call in a `finally`): no "go" comes
+      # again, so it stops here, as at any merge_call after the failure.
+      raise _Aborted()
     self.merge_fn, self.merge_args, self.merge_kwargs = merge_fn, args, kwargs
     self.merge_name_scope = tf.get_current_name_scope()
     self.running = False
