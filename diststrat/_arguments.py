@@ -12,6 +12,7 @@ registers Keras 3's variables).
 """
 
 import enum
+import functools
 import inspect
 import numbers
 import typing
@@ -176,6 +177,48 @@ def check_callable(method, name, value):
     raise TypeError(f"{method}() takes a callable as {name}, such as a function or a "
                     f"lambda. Received: {name}={value!r} ({type(value).__name__})")
   return value
+
+
+def _deferred_kind(fn):
+  """(what `fn` is, what calling it makes instead of running its body), or None."""
+  if not (inspect.isroutine(fn) or isinstance(fn, functools.partial)):
+    fn = inspect.getattr_static(type(fn), "__call__", fn)  # A callable object's method.
+  if inspect.isasyncgenfunction(fn):
+    return "an asynchronous generator function (async def with yield)", "async generator"
+  if inspect.iscoroutinefunction(fn):
+    return "a coroutine function (async def)", "coroutine"
+  if inspect.isgeneratorfunction(fn):
+    return "a generator function (it yields)", "generator"
+  return None
+
+
+def check_runs_when_called(method, name, value, where):
+  """Returns `value` unless it is a generator or coroutine function, else raises
+  `TypeError`: calling one runs none of its body, which would run later, `where` it is
+  not meant to (outside the towers).
+
+  Example:
+    >>> def fn():
+    ...   yield 1
+    >>> check_runs_when_called("call_for_each_tower", "fn", fn, "outside the towers")
+    Traceback (most recent call last):
+    ...
+    TypeError: call_for_each_tower() runs fn and uses what it returns, but fn=fn is a generator function (it yields): calling it runs none of its body and returns a generator, whose body would run later, when consumed, outside the towers. Make fn a plain function that returns its values (a list or a tuple instead of yields; asyncio.run(...) inside it for async code).
+  """
+  kind = _deferred_kind(value)
+  if kind is None:
+    return value
+  described, made = kind
+  if isinstance(value, functools.partial):
+    label = f"partial({getattr(value.func, '__name__', type(value.func).__name__)})"
+  else:
+    label = getattr(value, "__name__", None) or f"a {type(value).__name__} object, whose __call__"
+  raise TypeError(
+      f"{method}() runs {name} and uses what it returns, but {name}={label} is "
+      f"{described}: calling it runs none of its body and returns "
+      f"{'an' if made[0] == 'a' else 'a'} {made}, whose body would run later, when consumed, {where}. Make {name} a plain "
+      "function that returns its values (a list or a tuple instead of yields; "
+      "asyncio.run(...) inside it for async code).")
 
 
 def check_called_without_arguments(method, name, value, hint=""):

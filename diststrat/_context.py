@@ -47,6 +47,7 @@ import types
 import typing
 
 from diststrat._tf import tf
+from diststrat import _arguments
 from diststrat import _devices
 from diststrat import _integrations
 from diststrat import _tf_internal
@@ -397,6 +398,8 @@ class TowerContext:
       raise TypeError("merge_call() takes a callable as merge_fn, called as "
                       "merge_fn(strategy, *args, **kwargs). Received: "
                       f"merge_fn={merge_fn!r} ({type(merge_fn).__name__})")
+    _arguments.check_runs_when_called("merge_call", "merge_fn", merge_fn,
+                                      "in the towers, not in cross-tower context")
     return self._merge_call(merge_fn, args, kwargs)
 
   def _merge_call(self, merge_fn, args, kwargs):

@@ -277,6 +277,8 @@ class DistributionStrategy:
       The towers' results regrouped (see `diststrat.values.regroup`).
     """
     _arguments.check_callable("call_for_each_tower", "fn", fn)
+    _arguments.check_runs_when_called("call_for_each_tower", "fn", fn,
+                                      "outside the towers (no tower context)")
     entered = self._towers_entered()
     try:
       result = self._call_for_each_tower(fn, args, kwargs)

@@ -386,3 +386,27 @@ def test_a_tower_unwinding_from_a_failed_call_stops_at_its_next_merge_call(monke
       strategy.call_for_each_tower(fn)
   assert _tower_threads.abandoned_tower_threads() == []
   assert merged == []
+
+
+def _yields():
+  yield ds.get_tower_context()
+
+
+async def _awaits():
+  return ds.get_tower_context()
+
+
+@pytest.mark.parametrize("strategy", ["default", "mirrored"])
+def test_a_generator_or_coroutine_function_as_fn_or_merge_fn_is_refused(strategy):
+  # It was called and gave back its generator (coroutine) unrun, as the towers' result:
+  # its body ran later, when consumed, outside the towers (or never, for a coroutine).
+  s = ds.DefaultStrategy() if strategy == "default" else ds.MirroredStrategy(CPUS[:2])
+  for fn, kind in [(_yields, "generator"), (_awaits, "coroutine")]:
+    with s.scope():
+      with pytest.raises(TypeError, match=rf"call_for_each_tower\(\) runs fn and uses what "
+                         rf"it returns, but fn={fn.__name__} is a {kind} function"):
+        s.call_for_each_tower(fn)
+      with pytest.raises(TypeError, match=rf"merge_call\(\) runs merge_fn .* but "
+                         rf"merge_fn={fn.__name__} is a {kind} function"):
+        s.call_for_each_tower(lambda f=fn: ds.get_tower_context().merge_call(f))
+  assert s.call_for_each_tower(lambda: 1) == 1  # A plain function still runs.
