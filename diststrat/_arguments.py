@@ -112,20 +112,37 @@ def as_tf_variable(value):
   return value
 
 
+MAX_SECONDS = 1e9
+"""The longest timeout taken (about 31 years): Python's waits refuse much longer ones
+(`threading.TIMEOUT_MAX`, about 292 years on Linux), with an `OverflowError`."""
+
+
 def seconds(name, value, allow_none=True):
-  """`value` as a positive float number of seconds (or None when allowed), else raises.
+  """`value` as a positive float number of seconds, at most `MAX_SECONDS` (or None when
+  allowed), else raises `ValueError`.
 
   Example:
     >>> seconds("step_timeout", 3)
     3.0
+    >>> seconds("tower_timeout", float("inf"), allow_none=False)
+    Traceback (most recent call last):
+    ...
+    ValueError: tower_timeout must be a positive number of seconds, at most 1e+09 (about 31 years). Received: tower_timeout=inf. Every wait is bounded: for a practically unlimited one, pass a large number such as 86400 (a day).
   """
   if value is None and allow_none:
     return None
+  none = ", or None for no limit" if allow_none else ""
   if (isinstance(value, bool) or not isinstance(value, numbers.Real)
       or not value > 0 or value != value):
-    none = ", or None for no limit" if allow_none else ""
     raise ValueError(f"{name} must be a positive number of seconds{none}. Received: "
                      f"{name}={value!r}")
+  if value > MAX_SECONDS:
+    fix = ("Pass None for no limit." if allow_none else
+           "Every wait is bounded: for a practically unlimited one, pass a large number "
+           "such as 86400 (a day).")
+    raise ValueError(f"{name} must be a positive number of seconds, at most "
+                     f"{MAX_SECONDS:g} (about 31 years){none}. Received: {name}={value!r}. "
+                     f"{fix}")
   return float(value)
 
 

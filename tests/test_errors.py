@@ -410,3 +410,17 @@ def test_a_generator_or_coroutine_function_as_fn_or_merge_fn_is_refused(strategy
                          rf"merge_fn={fn.__name__} is a {kind} function"):
         s.call_for_each_tower(lambda f=fn: ds.get_tower_context().merge_call(f))
   assert s.call_for_each_tower(lambda: 1) == 1  # A plain function still runs.
+
+
+def test_a_timeout_longer_than_python_can_wait_is_refused_when_given():
+  # tower_timeout=float("inf") (or 1e10) was taken, then every call_for_each_tower failed
+  # with OverflowError: "timestamp out of range for platform time_t".
+  for too_long in (float("inf"), 1e10):
+    with pytest.raises(ValueError, match=r"tower_timeout must be a positive number of "
+                       r"seconds, at most 1e\+09 .* pass a large number such as 86400"):
+      ds.MirroredStrategy(CPUS[:2], tower_timeout=too_long)
+  strategy = ds.MirroredStrategy(CPUS[:2], tower_timeout=1e9)  # The longest works.
+  with strategy.scope():
+    merged = strategy.call_for_each_tower(
+        lambda: ds.get_tower_context().merge_call(lambda s: "merged"))
+  assert merged == "merged"
