@@ -424,3 +424,21 @@ def test_a_timeout_longer_than_python_can_wait_is_refused_when_given():
     merged = strategy.call_for_each_tower(
         lambda: ds.get_tower_context().merge_call(lambda s: "merged"))
   assert merged == "merged"
+
+
+def test_a_merge_fn_error_names_the_towers_that_called_it():
+  # The note said "called by towers 0-<count - 1>" whatever the towers' ids: "towers 0-0"
+  # for one tower, and "towers 0-1" for a worker whose towers are 2 and 3 (a strategy
+  # over several processes numbers its towers from its first_tower_id).
+  def fn():
+    return ds.get_tower_context().merge_call(lambda s: {}["missing"])
+
+  one = ds.MirroredStrategy(CPUS[:1])
+  with one.scope(), pytest.raises(KeyError) as info:
+    one.call_for_each_tower(fn)
+  assert f"(raised in merge_fn <lambda> called by tower 0 of {one!r})" in _text(info.value)
+  four = ds.MirroredStrategy(CPUS)
+  second_half = _tower_threads.TowerRunner(four, CPUS[2:], first_tower_id=2, num_towers=4)
+  with four.scope(), pytest.raises(KeyError) as info:
+    second_half.run(fn, (), {})
+  assert f"(raised in merge_fn <lambda> called by towers 2-3 of {four!r})" in _text(info.value)

@@ -455,7 +455,7 @@ class TowerRunner:
       except BaseException as e:
         if not isinstance(e, _Aborted):
           errors.add_note(e, f"(raised in merge_fn {_describe_fn(first.merge_fn)} "
-                         f"called by towers 0-{len(towers) - 1} of {self.strategy!r})")
+                         f"called by {_tower_span(towers)} of {self.strategy!r})")
         raise
       finally:
         if self.step_cache is not None:
@@ -519,6 +519,13 @@ def _methods_of_different_objects(fns):
   if not all(inspect.ismethod(fn) for fn in fns):
     return False
   return len({getattr(fn.__func__, "__code__", None) for fn in fns}) == 1
+
+
+def _tower_span(towers):
+  """"tower i", or "towers i-j": the ids of a call's towers (a strategy over several
+  processes numbers them from its `first_tower_id`)."""
+  first, last = towers[0].tower_id, towers[-1].tower_id
+  return f"tower {first}" if first == last else f"towers {first}-{last}"
 
 
 def _missing_component(message, error):
