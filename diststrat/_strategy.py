@@ -553,6 +553,14 @@ class DistributionStrategy:
           f"{method_name}() from merge_fn, which runs in the cross-tower context.")
     if mode.strategy is default:
       return self.scope()  # From the default context, a strategy's method enters its scope.
+    if self is default:  # Its scope cannot be entered here: "its own scope()" is no fix.
+      raise errors.ContextError(
+          f"DefaultStrategy.{method_name}() was called in "
+          f"{_context.describe_current_context()}, where {mode.strategy!r} is in effect: "
+          "strategies do not mix, and the default strategy runs only where no strategy "
+          "is entered. Call the method of the strategy in effect, "
+          "ds.get_distribution_strategy(), where the code runs (not a strategy kept "
+          "from outside the scope), or call it outside the scope.")
     raise errors.ContextError(
         f"{type(self).__name__}.{method_name}() of {self!r} was called in "
         f"{_context.describe_current_context()}: strategies do not mix. Call it "

@@ -320,3 +320,22 @@ def test_colocate_vars_with():
   assert w.device == CPUS[2]
   with pytest.raises(RuntimeError, match=r"colocate_vars_with\(\) .* must be used inside its scope"):
     s.colocate_vars_with(anchor)
+
+
+def test_a_default_strategy_method_inside_another_strategy_names_the_one_in_effect():
+  # Code that kept get_distribution_strategy() from outside any scope (the default
+  # strategy) and used it inside one was told to "call it inside its own scope()",
+  # which raises there too: the default strategy's scope cannot be entered inside s.
+  s = SequentialStrategy(CPUS[:2])
+  kept = ds.get_distribution_strategy()
+  with s.scope():
+    for call in (lambda: kept.reduce("sum", 1.0),
+                 lambda: s.call_for_each_tower(lambda: kept.reduce("sum", 1.0))):
+      with pytest.raises(errors.ContextError,
+                         match=r"DefaultStrategy.reduce\(\) was called in the (cross-)?"
+                               r"tower.* where SequentialStrategy\(.*\) is in effect: .*"
+                               r"Call the method of the strategy in effect, "
+                               r"ds.get_distribution_strategy\(\)"):
+        call()
+    in_effect = ds.get_distribution_strategy()  # The fix the message names works.
+    assert [float(x) for x in in_effect.reduce("sum", 1.0).values] == [1.0, 1.0]
