@@ -41,6 +41,7 @@ carries Keras's global seed generator this way (diststrat/_keras/_thread_globals
 
 import contextlib
 import functools
+import inspect
 import numbers
 import threading
 import types
@@ -400,6 +401,7 @@ class TowerContext:
                       f"merge_fn={merge_fn!r} ({type(merge_fn).__name__})")
     _arguments.check_runs_when_called("merge_call", "merge_fn", merge_fn,
                                       "in the towers, not in cross-tower context")
+    _check_not_tf_distribute_form(merge_fn, args, kwargs)
     return self._merge_call(merge_fn, args, kwargs)
 
   def _merge_call(self, merge_fn, args, kwargs):
@@ -410,6 +412,29 @@ class TowerContext:
   def __repr__(self):
     return (f"TowerContext(tower_id={self._tower_id}, num_towers={self._num_towers}, "
             f"strategy={self._strategy!r})")
+
+
+def _check_not_tf_distribute_form(merge_fn, args, kwargs):
+  """Raises `TypeError` for tf.distribute's `merge_call(merge_fn, args=..., kwargs=...)`
+  when `merge_fn` takes no such keywords: it would fail, called with `args=` as a
+  keyword, with Python's "unexpected keyword argument 'args'" and no word of the cause."""
+  given = [k for k in ("args", "kwargs") if k in kwargs]
+  if not given:
+    return
+  try:
+    inspect.signature(merge_fn).bind(None, *args, **kwargs)
+    return  # merge_fn takes them: its own keywords.
+  except ValueError:  # No signature to read.
+    return
+  except TypeError:
+    pass
+  name = getattr(merge_fn, "__name__", None) or type(merge_fn).__name__
+  raise TypeError(
+      f"merge_call() calls merge_fn(strategy, *args, **kwargs) with its arguments as they "
+      f"are, but merge_fn={name} takes no keyword argument {given[0]!r}: "
+      "merge_call(merge_fn, args=(...), kwargs={...}) is the form of tf.distribute's "
+      "ReplicaContext.merge_call. Pass the arguments themselves: "
+      "get_tower_context().merge_call(merge_fn, *args, **kwargs).")
 
 
 def same_merge_fn(a, b):

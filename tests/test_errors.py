@@ -442,3 +442,27 @@ def test_a_merge_fn_error_names_the_towers_that_called_it():
   with four.scope(), pytest.raises(KeyError) as info:
     second_half.run(fn, (), {})
   assert f"(raised in merge_fn <lambda> called by towers 2-3 of {four!r})" in _text(info.value)
+
+
+@pytest.mark.parametrize("strategy", ["default", "mirrored"])
+def test_tf_distributes_form_of_merge_call_says_to_pass_the_arguments(strategy):
+  # merge_call(merge_fn, args=(x,)), tf.distribute's form, called merge_fn(strategy,
+  # args=(x,)): Python's "merge_fn() got an unexpected keyword argument 'args'".
+  s = ds.DefaultStrategy() if strategy == "default" else ds.MirroredStrategy(CPUS[:2])
+
+  def merge_fn(strategy, x):
+    return strategy.reduce("sum", x)
+
+  def fn():
+    return ds.get_tower_context().merge_call(merge_fn, args=(tf.constant(1.0),))
+
+  error = _same_in_both_modes(s, fn)
+  assert isinstance(error, TypeError)
+  assert str(error).startswith(
+      "merge_call() calls merge_fn(strategy, *args, **kwargs) with its arguments as they "
+      "are, but merge_fn=merge_fn takes no keyword argument 'args': merge_call(merge_fn, "
+      "args=(...), kwargs={...}) is the form of tf.distribute's")
+  with s.scope():  # A merge_fn that takes such keywords gets them.
+    got = s.call_for_each_tower(
+        lambda: ds.get_tower_context().merge_call(lambda st, args: args, args="mine"))
+  assert got == "mine"
