@@ -1,5 +1,6 @@
 """Cross-tower reduction (docs/cross_tower_ops.md): every algorithm against numpy, the oracle."""
 
+import functools
 import pathlib
 import re
 import subprocess
@@ -349,6 +350,31 @@ def test_indexed_slices_mixed_with_dense_tensor():
   expected[3] += values[0]
   expected[0] += values[1]
   np.testing.assert_allclose(tf.convert_to_tensor(component).numpy(), expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_indexed_slices_of_different_dense_shapes_raise_value_error(mode):
+  """Slices of a [3, 2] and of a [5, 2] tensor (or a dense [4, 2] one) are components of
+  different shapes: they were concatenated under the first's dense_shape, rows out of its
+  range, and failed only when densified (InvalidArgumentError from UnsortedSegmentSum)."""
+  def slices(rows, dense_shape, device):
+    with tf.device(device):
+      return tf.IndexedSlices(tf.ones([len(rows), dense_shape[1]]), tf.constant(rows),
+                              tf.constant(dense_shape, tf.int64))
+
+  ops = AllReduceCrossTowerOps("naive")
+  cases = [{CPUS[0]: slices([0], [3, 2], CPUS[0]), CPUS[1]: slices([4], [5, 2], CPUS[1])},
+           {CPUS[0]: slices([0], [3, 2], CPUS[0]), CPUS[1]: tf.ones([4, 2])},
+           {CPUS[0]: slices([0], [3, 2], CPUS[0]), CPUS[1]: slices([1], [3, 3], CPUS[1])}]
+  for index in cases:
+    with pytest.raises(ValueError, match=r"^batch_reduce\(\) needs components of one shape "
+                       r"\(an IndexedSlices' is its dense_shape\). Received: .*CPU:0: "
+                       r"IndexedSlices of \(3, 2\), .*CPU:1: (IndexedSlices of )?\((5|4|3), "
+                       r"(2|3)\)\.$"):
+      _run(mode, functools.partial(ops.batch_reduce, "sum", [(PerDevice(index), None)]))
+  same = {CPUS[0]: slices([0], [3, 2], CPUS[0]), CPUS[1]: slices([2, 2], [3, 2], CPUS[1])}
+  result = _run(mode, lambda: ops.reduce("sum", PerDevice(same)).values[1])
+  np.testing.assert_allclose(tf.convert_to_tensor(result).numpy(), [[1, 1], [0, 0], [2, 2]])
 
 
 def test_broadcast_indexed_slices():

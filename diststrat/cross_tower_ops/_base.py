@@ -322,11 +322,35 @@ def _as_per_device(value, method, destinations):
     raise ValueError(f"{method}() needs components of one dtype. Received: "
                      f"{ {d: v.dtype.name for d, v in index.items()} }. Cast them to one "
                      "dtype first.")
-  shapes = [v.shape for v in index.values() if not isinstance(v, tf.IndexedSlices)]
-  if any(not s.is_compatible_with(shapes[0]) for s in shapes[1:]):
-    raise ValueError(f"{method}() needs components of one shape. Received: "
-                     f"{ {d: v.shape for d, v in index.items()} }.")
+  shapes = {d: _dense_shape(v) for d, v in index.items()}
+  merged = tf.TensorShape(None)
+  for shape in shapes.values():
+    if not shape.is_compatible_with(merged):
+      received = ", ".join(f"{d}: {_describe_shape(v, shapes[d])}" for d, v in index.items())
+      raise ValueError(f"{method}() needs components of one shape (an IndexedSlices' is its "
+                       f"dense_shape). Received: {received}.")
+    merged = merged.merge_with(shape)
   return _wrapped.PerDevice(index)
+
+
+def _dense_shape(component):
+  """The shape of the dense tensor `component` stands for, as far as it is known.
+
+  An `IndexedSlices`' is its `dense_shape` when that is known before running (always in
+  eager mode), else any number of rows of its values' shape.
+  """
+  if not isinstance(component, tf.IndexedSlices):
+    return component.shape
+  rows = tf.TensorShape([None]).concatenate(component.values.shape[1:])
+  if component.shape.is_compatible_with(rows):
+    return rows.merge_with(component.shape)
+  return component.shape
+
+
+def _describe_shape(component, shape):
+  if isinstance(component, tf.IndexedSlices):
+    return f"IndexedSlices of {shape}"
+  return str(shape)
 
 
 def _reducible(value, method):
