@@ -149,6 +149,36 @@ def test_tf_nest_sees_components_of_wrapped_values_not_variables():
   assert len(flat) == 1 and flat[0] is v
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_a_wrapped_value_used_as_a_tensor_says_what_to_do(traced):
+  """TensorFlow's own error was ValueError "Attempt to convert a value (...) with an
+  unsupported type" in eager mode, and inside a tf.function TypeError "Expected any
+  non-tensor type, but got a tensor instead" (tf.nest opens wrapped values)."""
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    per_tower = s.call_for_each_tower(
+        lambda i: tf.constant(float(i + 1)), s.worker_device_index)
+    total = s.reduce("sum", per_tower)
+  cases = [(per_tower, r"A PerDevice \(one value per tower, on \[.*CPU:0', .*CPU:1'\]\) is "
+            r"not a tensor. Reduce it first \(strategy.reduce\(aggregation, value\)\), or "
+            r"take one tower's value: value.get\(device\)"),
+           (total, r"A Mirrored \(copies of one value, on \[.*CPU:0', .*CPU:1'\]\) is not a "
+            r"tensor. Take one copy: value.get\(device\), or value.get\(\) for the current "
+            r"device's \(else the first\)")]
+  for value, message in cases:
+    with pytest.raises(ValueError, match=message):
+      if traced:
+        tf.function(lambda value=value: tf.reduce_sum(value))()  # noqa: B023
+      else:
+        tf.reduce_sum(value)
+    with pytest.raises(ValueError, match=message):
+      tf.convert_to_tensor(value)
+  # Still structures to tf.nest and tf.function, and what the messages say works.
+  assert float(tf.function(lambda t: t.get(CPUS[1]))(total)) == 3.0
+  assert float(tf.reduce_sum(per_tower.get(CPUS[1]))) == 2.0
+  assert [float(x) for x in tf.nest.flatten(per_tower)] == [1.0, 2.0]
+
+
 def test_unwrap_accepts_keras_variables():
   import keras  # pylint: disable=g-import-not-at-top
   s = ds.MirroredStrategy(CPUS[:2])

@@ -126,6 +126,31 @@ class Mirrored(_NestedValues):
   _holds_copies = True
 
 
+def _refuse_tensor_conversion(value, dtype=None, name=None, as_ref=False):
+  """Raises the `ValueError` for a wrapped value used where TensorFlow wants one tensor.
+
+  Registered for `PerDevice` and `Mirrored`, so the error is this one in eager mode and
+  inside a `tf.function` (where TensorFlow, seeing a structure of tensors, said "Expected
+  any non-tensor type, but got a tensor instead").
+  """
+  del dtype, name, as_ref  # Unused.
+  devices = list(value.devices)
+  if isinstance(value, Mirrored):
+    raise ValueError(
+        f"A {type(value).__name__} (copies of one value, on {devices}) is not a tensor. "
+        "Take one copy: value.get(device), or value.get() for the current device's (else "
+        "the first).")
+  raise ValueError(
+      f"A {type(value).__name__} (one value per tower, on {devices}) is not a tensor. "
+      "Reduce it first (strategy.reduce(aggregation, value)), or take one tower's value: "
+      "value.get(device) (value.values has them all). In a tower, call_for_each_tower "
+      "gives each tower its own value.")
+
+
+tf.register_tensor_conversion_function(PerDevice, _refuse_tensor_conversion)
+tf.register_tensor_conversion_function(Mirrored, _refuse_tensor_conversion)
+
+
 class BatchParts(PerDevice):
   """A `PerDevice` whose components are the parts of one global batch, in tower order.
 
