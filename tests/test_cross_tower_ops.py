@@ -353,6 +353,32 @@ def test_indexed_slices_mixed_with_dense_tensor():
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_integer_indexed_slices_mean_floors_each_rows_total(mode):
+  """The mean of integer slices is the floor of each row's total over the towers, as for
+  the dense tensors they stand for. Each slice was floor-divided alone: row 2's slices
+  [-7, 2], [-1, 4] and [1, 1] on 3 towers gave [-4, 1], where the floor of their total
+  [-7, 7] over 3 is [-3, 2]."""
+  parts = [(np.array([[1, 3], [3, 5], [-7, 2]], np.int32), np.array([0, 0, 2])),
+           (np.array([[-1, 4]], np.int32), np.array([2])),
+           (np.array([[6, 6], [1, 1]], np.int32), np.array([3, 2]))]
+  devices = CPUS[:3]
+  index = {}
+  for (values, indices), device in zip(parts, devices, strict=True):
+    with tf.device(device):
+      index[device] = tf.IndexedSlices(tf.constant(values), tf.constant(indices),
+                                       tf.constant([5, 2], tf.int64))
+  total = sum(_dense(values, indices, rows=5) for values, indices in parts)
+  one_worker = cross_tower_ops.CrossWorkerAllReduce().bind(devices, devices, 0, 1)
+  for ops in (ReductionToOneDevice(), AllReduceCrossTowerOps("naive"), one_worker):
+    result = _run(mode, functools.partial(ops.reduce, "mean", PerDevice(index)))
+    for component in result.values:
+      assert isinstance(component, tf.IndexedSlices)
+      np.testing.assert_array_equal(tf.convert_to_tensor(component).numpy(), total // 3)
+    summed = _run(mode, functools.partial(ops.reduce, "sum", PerDevice(index)))
+    np.testing.assert_array_equal(tf.convert_to_tensor(summed.values[0]).numpy(), total)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_indexed_slices_of_different_dense_shapes_raise_value_error(mode):
   """Slices of a [3, 2] and of a [5, 2] tensor (or a dense [4, 2] one) are components of
   different shapes: they were concatenated under the first's dense_shape, rows out of its

@@ -259,8 +259,23 @@ def divide(tensor, count):
   return tensor / count
 
 
+def divide_slices(values, indices, count):
+  """`(values / count, indices)` for the MEAN of slices at `indices`.
+
+  Floats divide each slice. Integers floor each row's total, as the dense tensors the
+  slices stand for do: floor division is not linear, so the slices of one row are first
+  added into one (the result has each row once, in order of first appearance).
+  """
+  if count == 1 or not values.dtype.is_integer:
+    return divide(values, count), indices
+  rows, positions = tf.unique(indices)
+  values = tf.math.unsorted_segment_sum(values, positions, tf.shape(rows)[0])
+  return divide(values, count), rows
+
+
 def concat_indexed_slices(aggregation, per_device_value, device):
-  """The `IndexedSlices` components concatenated on `device`; MEAN divides the values.
+  """The `IndexedSlices` components concatenated on `device`; MEAN divides the values
+  (`divide_slices`: integer slices of one row are added into one first).
 
   Dense components are taken as slices that cover every row. Nothing is densified.
   """
@@ -273,7 +288,7 @@ def concat_indexed_slices(aggregation, per_device_value, device):
     values = tf.concat([p.values for p in parts], axis=0)
     indices = tf.concat([p.indices for p in parts], axis=0)
     if aggregation is Aggregation.MEAN:
-      values = divide(values, len(parts))
+      values, indices = divide_slices(values, indices, len(parts))
     dense_shape = next((tf.identity(p.dense_shape) for p in parts
                         if p.dense_shape is not None), None)
   return tf.IndexedSlices(values, indices, dense_shape)

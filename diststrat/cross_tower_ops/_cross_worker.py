@@ -187,7 +187,8 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
       values = self._gather_rows(mine.values)
       indices = self._gather_rows(mine.indices)
       if aggregation is Aggregation.MEAN:  # By the number of values added, as for dense.
-        values = _base.divide(values, len(per_device_value) * num_workers)
+        values, indices = _base.divide_slices(values, indices,
+                                              len(per_device_value) * num_workers)
       gathered = tf.IndexedSlices(values, indices, mine.dense_shape)
     return _base.mirror(gathered, destinations, source_device=local[0])
 
