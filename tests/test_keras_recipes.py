@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 import diststrat as ds
+from conftest import CPUS
 from diststrat.cluster import LocalCluster
 from keras_cases import STRATEGIES, assert_all_close, assert_copies_equal, frozen, frozen_history
 
@@ -525,6 +526,30 @@ def test_jit_compile_raises_naming_the_fix_on_several_devices_and_trains_on_one(
     model.compile(optimizer="sgd", loss="mse", jit_compile=True)
   model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
   assert_all_close(model.get_weights(), reference.get_weights())
+
+
+def test_jit_compile_on_one_device_other_than_the_first_equals_one_device():
+  """XLA compiles Keras's step for the device its call is placed on: the strategy's one
+  device (here CPU:2, as MirroredStrategy(["/gpu:1"])), not the first one.
+
+  Before: fit raised InvalidArgumentError "Trying to access resource .../kernel/0 located
+  in device CPU:2 from device CPU:0".
+  """
+  x, y = _data(20)
+  weights = _small_model().get_weights()
+  reference = _small_model()
+  reference.set_weights(weights)
+  reference.compile(optimizer="sgd", loss="mse", jit_compile=False)
+  ref_loss = reference.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False).history["loss"]
+  with ds.MirroredStrategy(CPUS[2:3]).scope():
+    model = _small_model()
+    model.set_weights(weights)
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+  loss = model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False).history["loss"]
+  assert_all_close(model.get_weights(), reference.get_weights())
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0),
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_fit_inside_another_strategys_scope_names_the_models_strategy():

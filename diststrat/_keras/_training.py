@@ -36,7 +36,10 @@ Under a `ParameterServerStrategy` of a cluster, three more of a model's attribut
 (`bound_steps`): `make_train_function`, `make_test_function` and `make_predict_function`,
 so that the compiled steps they make (which `fit`, `evaluate` and `predict` call for
 each batch, directly) run through the strategy's `run_step`, bounded by `step_timeout`:
-a frozen parameter server would block them forever.
+a frozen parameter server would block them forever. The same three, for a model
+compiled with XLA (`jit_compile=True`) under a strategy of one device, so that its
+steps are called on that device: XLA compiles Keras's step for the device its call is
+placed on, by default the first one.
 
 Importing this module registers a tensor conversion for `TowerShare` with TensorFlow.
 """
@@ -572,19 +575,37 @@ def check_splittable(value):
   return value
 
 
-# --- a Keras model's compiled steps, bounded on a cluster of parameter servers ----------
+# --- a Keras model's compiled steps: bounded on a cluster of parameter servers, placed
+# on the one device of an XLA-compiled step -----------------------------------------------
 
 _STEP_FUNCTIONS = {"make_train_function": "train_function",
                    "make_test_function": "test_function",
                    "make_predict_function": "predict_function"}
-# Keras model -> the strategy whose run_step runs its steps
+# Keras model -> the strategy whose run_step runs its steps, or on whose device they run
 _bounded_models: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _xla_device(strategy, model):
+  """The one device of `strategy` when `model` is compiled with XLA (`jit_compile=True`),
+  else None.
+
+  Keras compiles its whole step, the strategy's `run` included, as one XLA function, and
+  XLA compiles it for the device its call is placed on: without a device scope, the
+  first GPU or CPU, not the strategy's device (`MirroredStrategy(["/gpu:1"])`), whose
+  variables XLA then cannot reach. Several devices are refused (`check_jit_compile`).
+  """
+  if getattr(model, "jit_compile", False) is not True or strategy.num_towers != 1:
+    return None
+  devices = set(strategy.worker_devices) | set(strategy.parameter_devices)
+  return next(iter(devices)) if len(devices) == 1 else None
 
 
 def bound_steps(adapter, model):
   """Under a `ParameterServerStrategy` of a cluster, makes `model`'s compiled steps run
   through the strategy's `run_step` (bounded by `step_timeout`, and returning once their
-  writes reached the parameter servers), as a custom loop's steps do.
+  writes reached the parameter servers), as a custom loop's steps do. For a model
+  compiled with XLA under a strategy of one device, makes its steps run on that device
+  (`_xla_device`).
 
   Keras calls the function `make_train_function` (and its test and predict siblings)
   made for each batch, directly; a tf.function called directly blocks forever on a
@@ -599,7 +620,8 @@ def bound_steps(adapter, model):
   the first call, the model's trace too; give `step_timeout` room for them.
   """
   strategy = adapter.diststrat_strategy
-  if not hasattr(model, "get_metrics_result") or not _on_a_ps_cluster(strategy):
+  if not hasattr(model, "get_metrics_result") or not (
+      _on_a_ps_cluster(strategy) or _xla_device(strategy, model) is not None):
     return  # (Only a Keras model (Trainer) has get_metrics_result.)
   if _bounded_models.get(model) is strategy:
     _wrap_step_functions(model, strategy)  # Made since, outside `make_*` (rare).
@@ -624,19 +646,25 @@ _bounded_functions: "weakref.WeakSet[Any]" = weakref.WeakSet()  # The wrappers b
 
 
 def _wrap_step_functions(model, strategy):
+  model_ref = weakref.ref(model)
   for attribute in _STEP_FUNCTIONS.values():
     function = getattr(model, attribute, None)
     if function is None or function in _bounded_functions:
       continue
 
     def step(*args, function=function, **kwargs):
-      return function(*args, **kwargs)
+      device = _xla_device(strategy, model_ref())  # Its jit_compile may change.
+      if device is None:
+        return function(*args, **kwargs)
+      with tf.device(device):
+        return function(*args, **kwargs)
 
     step.__name__ = f"Keras's {attribute} of model {model.name!r}"  # run_step names it.
-
-    def bounded(*args, step=step, **kwargs):
-      return strategy.run_step(step, *args, **kwargs)
-
+    if _on_a_ps_cluster(strategy):
+      def bounded(*args, step=step, **kwargs):
+        return strategy.run_step(step, *args, **kwargs)
+    else:
+      bounded = step
     _bounded_functions.add(bounded)
     object.__setattr__(model, attribute, bounded)
 
