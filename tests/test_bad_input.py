@@ -206,6 +206,17 @@ def _ps(spec, **kwargs):
     ({"ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:1"]}, {"task_id": True},
      r"task_id must be an index into cluster_spec\['worker'\], from 0 to 0. Received: "
      r"task_id=True"),
+    # A cluster with no task for this worker was refused in words that name none of it:
+    # "one of [] ..." (no worker job) and "from 0 to -1" (an empty worker job); a task id
+    # that is not an integer as "from 0 to 0. Received: task_id='0'".
+    ({"ps": ["127.0.0.1:2"]}, {},
+     r"cluster_spec names no task for this worker process: it has no job besides 'ps' "
+     r"with an address .* Received: cluster_spec=\{'ps': \['127.0.0.1:2'\]\}"),
+    ({"ps": ["127.0.0.1:2"], "worker": []}, {},
+     r"cluster_spec\['worker'\] lists no address, so this process cannot be task 0 of it. "
+     r"Add this task's address to that job"),
+    ({"ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:1"]}, {"task_id": "0"},
+     r"from 0 to 0. Received: task_id='0' \(str, not an integer\)"),
 ])
 def test_bad_cluster_specs_are_refused_before_connecting(spec, kwargs, message):
   with pytest.raises(ValueError, match=message):

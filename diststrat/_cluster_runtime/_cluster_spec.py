@@ -110,14 +110,27 @@ def normalize_cluster_spec(cluster_spec, task_type, task_id, role="parameter_ser
       raise ValueError(f"task_type must name a job of cluster_spec, one of {sorted(spec)}. "
                        f"Received: task_type={task_type!r}")
   elif task_type == PS_JOB or task_type not in spec:
+    jobs = sorted(j for j in spec if j != PS_JOB and spec[j])
+    if not jobs:
+      raise ValueError(
+          "cluster_spec names no task for this worker process: it has no job besides "
+          "'ps' with an address (parameter servers run no model code). Add a job for the "
+          "workers, such as {'ps': [...], 'worker': ['host:port', ...]}. Received: "
+          f"cluster_spec={cluster_spec!r}")
     raise ValueError(
-        f"task_type must name the job of this worker process, one of "
-        f"{sorted(j for j in spec if j != PS_JOB)} (parameter servers run no model code). "
-        f"Received: task_type={task_type!r}")
+        f"task_type must name the job of this worker process, one of {jobs} (parameter "
+        f"servers run no model code). Received: task_type={task_type!r}")
+  if not spec[task_type]:
+    raise ValueError(
+        f"cluster_spec[{task_type!r}] lists no address, so this process cannot be task "
+        f"{task_id!r} of it. Add this task's address to that job, or pass the task_type "
+        f"of the job that lists it. Received: cluster_spec={cluster_spec!r}")
   if (isinstance(task_id, bool) or not isinstance(task_id, numbers.Integral)
       or not 0 <= task_id < len(spec[task_type])):
+    kind = "" if isinstance(task_id, numbers.Integral) and not isinstance(task_id, bool) \
+        else f" ({type(task_id).__name__}, not an integer)"
     raise ValueError(f"task_id must be an index into cluster_spec[{task_type!r}], from 0 "
-                     f"to {len(spec[task_type]) - 1}. Received: task_id={task_id!r}")
+                     f"to {len(spec[task_type]) - 1}. Received: task_id={task_id!r}{kind}")
   return spec
 
 
