@@ -371,6 +371,10 @@ _PS_CLUSTER = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
     ({**_PS_CLUSTER, "worker": ["127.0.0.1:2"]}, {"type": "worker", "index": 3},
      r"TF_CONFIG's task index must be an index into its cluster's 'worker' job, from 0 to "
      r"0. Received: index=3"),
+    # An empty job was refused as "from 0 to -1".
+    ({**_PS_CLUSTER, "worker": []}, {"type": "worker", "index": 0},
+     r"TF_CONFIG's cluster lists no address for its task's job 'worker', so this process "
+     r"cannot be task 0 of it"),
 ])
 def test_parameter_server_strategy_rejects_a_tf_config_it_cannot_use(
     monkeypatch, cluster, task, match):

@@ -72,9 +72,15 @@ def from_tf_config(text: str) -> ClusterConfig:
   addresses = cluster.get(task_type)
   if not isinstance(addresses, (list, tuple)):
     raise ValueError(
-        f"TF_CONFIG's task type must be a job of its cluster, one of {sorted(cluster)}. "
+        f"TF_CONFIG's task type must be a job of its cluster, one of {sorted(cluster)}"
+        f"{' (its cluster is empty)' if not cluster else ''}. "
         f"Received: type={task_type!r} in TF_CONFIG={text!r}. Fix the TF_CONFIG the "
         "launcher sets (diststrat-run sets one per task).")
+  if not addresses:
+    raise ValueError(
+        f"TF_CONFIG's cluster lists no address for its task's job {task_type!r}, so this "
+        f"process cannot be task {task['index']!r} of it. Received: TF_CONFIG={text!r}. Fix "
+        "the TF_CONFIG the launcher sets (diststrat-run sets one per task).")
   if not 0 <= task_id < len(addresses):
     raise ValueError(
         f"TF_CONFIG's task index must be an index into its cluster's {task_type!r} job, "
