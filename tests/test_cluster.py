@@ -607,17 +607,26 @@ _MAIN_SCRIPT = """
 import tensorflow as tf
 from diststrat.cluster import LocalCluster
 
+seen = []
+
 def place(name, shape, dtype):
+  seen.append(name)
   return "/job:ps/task:1" if name == "b" else "/job:ps/task:0"
 
 def devices(strategy):
   with strategy.scope():
     return [tf.Variable(0.0, name=name).device for name in ("a", "b")]
 
+def names(strategy):
+  with strategy.scope():
+    made = [tf.Variable(0.0, name="b") for _ in range(2)] + [tf.Variable(0.0)]
+  return seen, [v.name[:-2] for v in made], [v.device[-19:] for v in made]
+
 if __name__ == "__main__":
   with LocalCluster(2, 1, strategy_kwargs={"variable_placement": place},
                     start_timeout=60, result_timeout=100) as cluster:
     print("devices", cluster.run_on_workers(devices))
+    print("names", cluster.run_on_workers(names))
     try:
       LocalCluster(1, 1, strategy_kwargs={"variable_placement": lambda *a: "x"}).run_on_workers(
           devices)
@@ -630,7 +639,10 @@ if __name__ == "__main__":
 @pytest.mark.timeout(TIMEOUT)
 def test_a_scripts_functions_in_strategy_kwargs_reach_the_workers(tmp_path):
   """A variable_placement defined in a script run as `python script.py` could not be
-  unpickled in the workers (AttributeError), which died with a ClusterError."""
+  unpickled in the workers (AttributeError), which died with a ClusterError.
+
+  It gets the name each variable gets: a second `b` was placed as "b" (on PS task 1),
+  although the variable is `b_1`."""
   script = tmp_path / "train.py"
   script.write_text(textwrap.dedent(_MAIN_SCRIPT))
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -638,6 +650,8 @@ def test_a_scripts_functions_in_strategy_kwargs_reach_the_workers(tmp_path):
                         timeout=TIMEOUT - 10, env=dict(os.environ, PYTHONPATH=repo))
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert f"devices {[[PS0 + '/device:CPU:0', PS1 + '/device:CPU:0']]}" in proc.stdout
+  names, on = ["b", "b_1", "Variable"], ["task:1/device:CPU:0"] + ["task:0/device:CPU:0"] * 2
+  assert f"names {[(names, names, on)]}" in proc.stdout, proc.stdout
   assert "lambda True" in proc.stdout
 
 

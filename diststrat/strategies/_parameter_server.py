@@ -353,7 +353,8 @@ class ParameterServerStrategy(_cluster_spec.ClusterTaskMixin, DistributionStrate
         device = _wrapped.devices_of(colocate_with)[0]
       else:
         kwargs["initial_value"] = _arguments.initial_value_tensor(kwargs)
-        device = self._placer.place(_arguments.variable_name(kwargs),
+        # In cluster mode the name is the unique shared name (`w_1` for a second `w`).
+        device = self._placer.place(self._backend.reserve_name(kwargs),
                                     kwargs["initial_value"].shape, kwargs["initial_value"].dtype)
       return self._wrap_if_written_in_towers(
           self._make_variable(device, next_creator, kwargs), device, kwargs)

@@ -18,6 +18,7 @@ import contextlib
 from typing import Any, Callable, Optional
 
 from diststrat._tf import tf
+from diststrat import _arguments
 from diststrat import _context
 from diststrat import _devices
 from diststrat import _tf_internal
@@ -26,6 +27,10 @@ from diststrat._cluster_runtime import _host_threads
 from diststrat._cluster_runtime.parameter_server import _connection
 from diststrat._cluster_runtime.parameter_server import _read_cache
 from diststrat._cluster_runtime.parameter_server import _shared_variables
+
+
+# The kwargs key under which `ClusterBackend.reserve_name` hands the name to `make_variable`.
+_RESERVED_NAME = "diststrat_reserved_shared_name"
 
 
 class LocalBackend:
@@ -55,6 +60,10 @@ class LocalBackend:
 
   def creation_scope(self):
     return contextlib.nullcontext()
+
+  def reserve_name(self, kwargs) -> str:
+    """The name a new variable made from tf.Variable's `kwargs` gets (without ":0")."""
+    return _arguments.variable_name(kwargs)
 
   def make_variable(self, device, next_creator, kwargs):
     with tf.device(device):
@@ -158,9 +167,18 @@ class ClusterBackend:
     # on a PS task beyond any one trace.
     return tf.init_scope()
 
+  def reserve_name(self, kwargs) -> str:
+    """The shared name a new variable made from tf.Variable's `kwargs` gets (unique:
+    `w`, `w_1`, ...), given now so that the placement policy sees it; `make_variable`
+    then uses it."""
+    name = self.connection.names.unique(_arguments.variable_name(kwargs))
+    kwargs[_RESERVED_NAME] = name
+    return name
+
   def make_variable(self, device, next_creator, kwargs):
     del next_creator
-    return self.connection.create_variable(device, kwargs)
+    return self.connection.create_variable(device, kwargs,
+                                           shared_name=kwargs.pop(_RESERVED_NAME, None))
 
   def keeps_tower_local_variables(self) -> bool:
     return True

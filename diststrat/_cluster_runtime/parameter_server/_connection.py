@@ -127,9 +127,14 @@ class ClusterConnection:
     """Canonical names of `devices`; parts left out default to this task."""
     return _devices.canonicalize_all(devices, default=self.local_task)
 
-  def create_variable(self, device, kwargs):
-    """A `SharedVariable` on the PS device `device`, made from tf.Variable's `kwargs`."""
-    shared_name = self.names.unique(_arguments.variable_name(kwargs))
+  def create_variable(self, device, kwargs, shared_name=None):
+    """A `SharedVariable` on the PS device `device`, made from tf.Variable's `kwargs`.
+
+    `shared_name`: the name `names.unique` gave it already (for the placement policy),
+    else one is given here.
+    """
+    if shared_name is None:
+      shared_name = self.names.unique(_arguments.variable_name(kwargs))
     with tf.init_scope():
       if tf.is_symbolic_tensor(kwargs.get("initial_value")):
         raise ValueError(
