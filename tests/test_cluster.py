@@ -1066,6 +1066,10 @@ def test_local_cluster_takes_numpy_integers():
      r"task_id must be an index into cluster_spec\['worker'\], from 0 to 0"),
     ({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, {"ps_devices": ["/cpu:0"]},
      "ps_devices cannot be given with cluster_spec"),
+    # Checked after connecting: ClusterError for the PS that is not there (no process
+    # listens on port 1) hid the bad argument.
+    ({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, {"variable_placement": "random"},
+     r"variable_placement must be 'least_loaded', 'round_robin' or a callable"),
 ])
 def test_bad_cluster_arguments(spec, kwargs, message):
   with pytest.raises(ValueError, match=message):

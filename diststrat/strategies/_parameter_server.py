@@ -45,6 +45,13 @@ def _check_max_bytes(value):
   return None if value is None else int(value)
 
 
+def _check_placement(policy):
+  if not callable(policy) and policy not in _POLICIES:
+    raise ValueError("variable_placement must be 'least_loaded', 'round_robin' or a "
+                     "callable (name, shape, dtype) -> device. Received: "
+                     f"variable_placement={policy!r}")
+
+
 class VariablePlacer:
   """Chooses the parameter device of each new variable; deterministic by creation order.
 
@@ -57,10 +64,7 @@ class VariablePlacer:
   """
 
   def __init__(self, devices, policy):
-    if not callable(policy) and policy not in _POLICIES:
-      raise ValueError("variable_placement must be 'least_loaded', 'round_robin' or a "
-                       "callable (name, shape, dtype) -> device. Received: "
-                       f"variable_placement={policy!r}")
+    _check_placement(policy)
     self._devices = tuple(devices)
     self._policy = policy
     self._elements = {d: 0 for d in self._devices}
@@ -181,6 +185,7 @@ class ParameterServerStrategy(_cluster_spec.ClusterTaskMixin, DistributionStrate
     _check_cache_reads(cache_reads, in_cluster=config is not None)
     self._cache_reads = cache_reads
     self._cache_reads_max_bytes = _check_max_bytes(cache_reads_max_bytes)
+    _check_placement(variable_placement)  # Before connecting to a cluster.
     self._last_read_cache_stats: Optional[dict[str, int]] = None
     self._steps = itertools.count(1)
     self._backend: Union[_ps_backends.LocalBackend, _ps_backends.ClusterBackend]
