@@ -22,7 +22,6 @@ from diststrat import _arguments
 from diststrat import _context
 from diststrat import _devices
 from diststrat import _tf_internal
-from diststrat._cluster_runtime import _cluster_spec
 from diststrat._cluster_runtime import _host_threads
 from diststrat._cluster_runtime.parameter_server import _connection
 from diststrat._cluster_runtime.parameter_server import _read_cache
@@ -117,11 +116,10 @@ class ClusterBackend:
     name = f"ParameterServerStrategy of /job:{config.task_type}/replica:0/task:{config.task_id}"
     # Before the connection initializes TensorFlow: its thread pools are made then.
     self.intra_op_threads = _host_threads.share_cores(spec, name)
-    if wait_for_ps:
-      _cluster_spec.wait_for_servers(spec[_cluster_spec.PS_JOB],
-                                     step_timeout or default_timeout)
+    # wait_for_ps: PS tasks not listening yet are waited for, within step_timeout in all.
     self.connection = _connection.ClusterConnection(
-        spec, config.task_type, config.task_id, step_timeout, name=name)
+        spec, config.task_type, config.task_id, step_timeout, name=name,
+        wait_for_ps=wait_for_ps, wait_timeout=step_timeout or default_timeout)
     self.ps_devices = self.connection.ps_devices
     if worker_devices is None:
       worker_devices = self.connection.local_devices()

@@ -13,6 +13,8 @@ the spec (a fixed port): reconnecting after a PS restart needs it to be the same
 """
 
 
+import time
+
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
@@ -36,7 +38,8 @@ class ClusterConnection:
     name: the owner's description, for messages.
   """
 
-  def __init__(self, cluster_spec, task_type, task_id, step_timeout, name):
+  def __init__(self, cluster_spec, task_type, task_id, step_timeout, name, wait_for_ps=False,
+               wait_timeout=None):
     self.spec = cluster_spec
     self.task_type = task_type
     self.task_id = task_id
@@ -53,7 +56,7 @@ class ClusterConnection:
     _tf_internal.install_sync_hook(self.guard.wait_for)
     # A SavedModel saved here must load where these tasks do not exist.
     _tf_internal.install_saved_model_device_rule()
-    self.connect()
+    self._connect(wait_for_ps, wait_timeout)
 
   def connect(self):
     """Connects (again) to every PS task, within the step timeout, or raises.
@@ -67,9 +70,18 @@ class ClusterConnection:
       ClusterError: a PS task cannot be reached or does not answer, naming it and its
         address.
     """
+    self._connect(wait_for_ps=False)
+
+  def _connect(self, wait_for_ps, wait_timeout=None):
+    """`connect()`; with `wait_for_ps`, PS tasks that are not listening yet (started
+    with this process) are asked again until they answer, all within `wait_timeout`
+    (the step timeout, or the default one when it is None)."""
     self.guard.clear_failure()
     timeout = self.guard.timeout or _CONNECT_PROBE_TIMEOUT
-    self._check_ps_tasks_answer(timeout)
+    if wait_for_ps:
+      self._check_ps_tasks_answer(wait_timeout or timeout, wait=True)
+    else:
+      self._check_ps_tasks_answer(timeout)
     view = tf.train.ClusterSpec({
         _cluster_spec.PS_JOB: self.spec[_cluster_spec.PS_JOB],
         self.task_type: {self.task_id: self.spec[self.task_type][self.task_id]},
@@ -96,9 +108,12 @@ class ClusterConnection:
           f"{e} This process's TensorFlow stays blocked until the connection completes "
           "or fails; if it does not, restart the process.", task=e.task) from e
 
-  def _check_ps_tasks_answer(self, timeout):
+  def _check_ps_tasks_answer(self, timeout, wait=False):
     addresses = self.spec[_cluster_spec.PS_JOB]
-    outcomes = _tf_internal.probe_tf_server(addresses, timeout)
+    if wait:
+      outcomes = _wait_for_answers(addresses, timeout)
+    else:
+      outcomes = _tf_internal.probe_tf_server(addresses, timeout)
     failed = [(task, address, why) for task, address, why
               in zip(self.ps_tasks, addresses, outcomes, strict=True) if why]
     if failed:
@@ -148,3 +163,26 @@ class ClusterConnection:
           trainable=kwargs.get("trainable"), synchronization=kwargs.get("synchronization"),
           aggregation=kwargs.get("aggregation"), constraint=kwargs.get("constraint"),
           guard=self.guard)
+
+
+def _wait_for_answers(addresses, timeout, poll=0.5):
+  """`probe_tf_server(addresses, ...)` outcomes, waiting within `timeout` s in all.
+
+  A task that refuses the connection is not listening yet (it was started with this
+  process): it is asked again every `poll` s. Once none refuses, the tasks that listen
+  but did not answer yet get the rest of the time in one last probe (a frozen task is
+  reported at `timeout`, an overloaded one that answers in time is waited for).
+  """
+  deadline = time.monotonic() + timeout
+  while True:
+    remaining = deadline - time.monotonic()
+    outcomes = _tf_internal.probe_tf_server(addresses, max(min(poll * 4, remaining), 0.01))
+    if not any(outcomes):
+      return outcomes
+    silent = all(why is None or why.startswith("did not answer") for why in outcomes)
+    remaining = deadline - time.monotonic()
+    if silent:
+      return _tf_internal.probe_tf_server(addresses, remaining) if remaining > 0 else outcomes
+    if remaining < poll:
+      return outcomes
+    time.sleep(poll)
