@@ -139,9 +139,12 @@ def _many_shapes_fn(strategy):
   try:
     with strategy.scope():
       made = [tf.Variable(tf.random.uniform([k + 1, 2 * k + 1], seed=k)) for k in range(8)]
+      # Unseeded: each process alone draws other flags.
+      flags = tf.Variable(tf.random.uniform([64]) > 0.5)
   finally:
     logging.getLogger("tensorflow").removeHandler(handler)
-  return {"warnings": warnings, "values": [v.numpy().tolist() for v in made]}
+  return {"warnings": warnings, "values": [v.numpy().tolist() for v in made],
+          "flags": (flags.dtype.name, flags.numpy().tolist())}
 
 
 def _checkpoint_fn(strategy, checkpoint_dir):
@@ -554,10 +557,12 @@ def test_two_workers_of_two_towers_train_like_one_device():
 @pytest.mark.timeout(TIMEOUT)
 def test_initial_values_from_the_chief_without_retracing_warnings():
   """Each variable's initial value is broadcast from the chief; every worker printed
-  TensorFlow's retracing warning (a tf.function made per broadcast)."""
+  TensorFlow's retracing warning (a tf.function made per broadcast). A bool variable
+  kept each worker's own initial value (random flags differed between the workers)."""
   with LocalCluster(num_ps=0, num_workers=2, result_timeout=TIMEOUT) as c:
     first, second = c.run_on_workers(_many_shapes_fn, strategy="multi_worker")
   assert first["values"] == second["values"]  # The chief's, in both.
+  assert first["flags"][0] == "bool" and first["flags"] == second["flags"]
   assert first["warnings"] == second["warnings"] == []
 
 

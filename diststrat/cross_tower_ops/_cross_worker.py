@@ -201,17 +201,22 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
     """`tensor` as worker 0 has it, in every worker (on this worker's first device).
 
     Built as a sum to which the other workers add zeros, so it needs no extra kind of
-    collective. Dtypes a sum cannot carry (bool, string) are returned unchanged.
+    collective. A bool travels as an integer (0 or 1, so the sum is the chief's); a
+    string, which no collective carries, is returned unchanged.
     """
     local, _, worker_index, num_workers = self._bound()
-    if num_workers == 1 or not (tensor.dtype.is_floating or tensor.dtype.is_integer
-                                or tensor.dtype.is_complex):
+    dtype = tensor.dtype
+    if num_workers == 1 or not (dtype.is_floating or dtype.is_integer or dtype.is_complex
+                                or dtype == tf.bool):
       return tensor
 
-    def build(tensor):
+    def build(tensor):  # Made once, for every dtype: it reads the dtype of its argument.
+      flags = tensor.dtype == tf.bool
       with tf.device(local[0]):
-        mine = tensor if worker_index == 0 else tf.zeros_like(tensor)
-        return self._across_workers([mine], mean=False)[0]
+        mine = tf.cast(tensor, tf.int32) if flags else tensor
+        mine = mine if worker_index == 0 else tf.zeros_like(mine)
+        total = self._across_workers([mine], mean=False)[0]
+        return tf.cast(total, tf.bool) if flags else total
 
     if tf.executing_eagerly():
       return self._eager_function("broadcast_from_chief", build)(tensor)
