@@ -731,6 +731,26 @@ def test_file_callbacks_write_once_across_worker_processes(tmp_path):
     assert len(f.read().strip().splitlines()) == 3  # A header and two epochs.
 
 
+def test_a_worker_beside_a_chief_job_writes_file_callbacks_to_scratch():
+  """tf.distribute's TF_CONFIG layout, a "chief" job and one "worker" task: the worker
+  was taken for the only worker and wrote the user's paths too, racing the chief. Every
+  task but the chief writes to scratch (the strategies' `is_chief` is the reference)."""
+  from diststrat._cluster_runtime import _cluster_spec  # pylint: disable=import-outside-toplevel
+  from diststrat._keras import _file_callbacks  # pylint: disable=import-outside-toplevel
+  specs = [{"chief": ["a:1"], "worker": ["b:1"]},
+           {"chief": ["a:1"], "worker": ["b:1"], "ps": ["p:1"]},
+           {"chief": ["a:1"], "worker": ["b:1", "c:1"]},
+           {"worker": ["a:1", "b:1"]}, {"worker": ["a:1"], "ps": ["p:1"]}, {"chief": ["a:1"]}]
+  for spec in specs:
+    for task_type in ("chief", "worker"):
+      for task_id in range(len(spec.get(task_type, ()))):
+        chief = _cluster_spec.is_chief_task(spec, task_type, task_id)
+        strategy = types.SimpleNamespace(cluster_spec=spec, task_type=task_type,
+                                         task_id=task_id, is_chief=chief)
+        assert _file_callbacks._other_worker(strategy) is (not chief), (  # pylint: disable=protected-access
+            spec, task_type, task_id)
+
+
 class ErrorLogger(keras.Model):
   """A custom train_step that logs a metric of its own, per example and as batch means."""
 

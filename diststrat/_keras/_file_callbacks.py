@@ -6,9 +6,9 @@ same program, so the same `model.fit` with the same callbacks. Those that write 
 every worker (under `MultiWorkerMirroredStrategy` a save reads the tower-local
 variables, a collective across the workers), but two workers writing one path race:
 HDF5 refuses the second writer's lock, or one reads the other's half-written file. So,
-as tf.distribute's Keras did: the chief (worker 0) writes to the user's
-path; every other worker writes to a scratch directory of its own, removed when `fit`
-ends, and the callback's path is given back. User code does not branch on the task.
+as tf.distribute's Keras did: the chief (worker 0, or a "chief" job's task) writes to
+the user's path; every other worker writes to a scratch directory of its own, removed
+when `fit` ends, and the callback's path is given back. User code does not branch on the task.
 
 `redirect_fit_callbacks` is called by the tf.distribute facade
 (`StrategyAdapter.experimental_distribute_dataset`) when Keras's `fit` asks for its
@@ -56,9 +56,11 @@ def _file_callback_kinds():
 
 
 def _other_worker(strategy):
-  """Whether this process is a worker other than the chief, in a job of several."""
+  """Whether this process is a worker other than the chief, in a job of several: a
+  "chief" job's task counts as one of the workers (it is the chief)."""
   spec = getattr(strategy, "cluster_spec", None) or {}
-  if len(spec.get("worker", ())) <= 1 or getattr(strategy, "task_type", None) != "worker":
+  training = len(spec.get("chief", ())) + len(spec.get("worker", ()))
+  if training <= 1 or getattr(strategy, "task_type", None) != "worker":
     return False
   return not getattr(strategy, "is_chief", strategy.task_id == 0)
 
