@@ -340,6 +340,16 @@ def _keras_fit_fn(strategy, checkpoint_dir):
     plain = tf.constant([1.0, 2.0])
     result["plain"] = {a: strategy.reduce(a, plain).values[0].numpy().tolist()
                        for a in ("sum", "mean")}
+  # fit's default shuffle, with no random seed: each worker would draw its own order.
+  x, y = _keras_data()
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+  try:
+    model.fit(x, y, batch_size=KERAS_BATCH, epochs=1, verbose=0)
+    result["unseeded_shuffle"] = None
+  except ValueError as e:
+    result["unseeded_shuffle"] = str(e)
   return result
 
 
@@ -678,6 +688,9 @@ def test_restart_and_restore_resume_training(tmp_path):
 @pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_device(tmp_path):
+  """And fit's default shuffle with no random seed is refused: each worker shuffled the
+  arrays in its own order, and the workers split different global batches (some
+  examples trained on twice an epoch, others never), silently."""
   import keras  # pylint: disable=import-outside-toplevel
   with LocalCluster(num_ps=0, num_workers=2, cpus_per_worker=2, result_timeout=TIMEOUT) as c:
     results = c.run_on_workers(_keras_fit_fn, checkpoint_dir=str(tmp_path))
@@ -710,6 +723,8 @@ def test_keras_fit_evaluate_predict_on_two_workers_of_two_towers_equal_one_devic
     assert result["plain"] == {"sum": [2.0, 4.0], "mean": [1.0, 2.0]}
     assert result["ragged_gathers"] == [[[0.0] * 3, [1.0] * 3], [[0.0], [1.0]]]
     assert result["empty_gathers"] == [[0, 3], [8, 0], [0, 3]]
+    assert "keras.utils.set_random_seed(seed)" in (result["unseeded_shuffle"] or ""), (
+        result["unseeded_shuffle"])
   # The chief's ModelCheckpoint file loads with no strategy, with the trained weights.
   loaded = keras.models.load_model(str(tmp_path / "model.keras"))
   for got, want in zip(loaded.get_weights(), reference["weights"], strict=True):

@@ -684,6 +684,7 @@ class StrategyAdapter:
     # of it: from its element spec instead, the data is not read an extra time.
     _training.build_from_element_spec(model)
     _model_checks.check_stateful_layers(self._ds, model)
+    _model_checks.check_shuffled_arrays(self._ds, dataset)
     return dataset.prefetch(tf.data.AUTOTUNE)
 
   def distribute_datasets_from_function(self, dataset_fn, options=None):

@@ -13,6 +13,7 @@ import typing
 import weakref
 from typing import Any
 
+from diststrat._tf import tf
 from diststrat import _context
 from diststrat import _tf_internal
 from diststrat import errors
@@ -184,6 +185,34 @@ def check_stateful_layers(strategy, model):
         "stateful=False (pass the states as inputs, initial_state=, if batches must "
         "continue each other), or on one device (outside any strategy, or a "
         "MirroredStrategy with one device).")
+
+
+def check_shuffled_arrays(strategy, dataset):
+  """Refuses the dataset Keras made of arrays with `shuffle=True` (or "batch") when
+  several worker processes train in step and TensorFlow has no global random seed.
+
+  Every worker runs the same `fit` and keeps its towers' parts of each global batch, so
+  the workers must read the same batches. Keras shuffles the arrays with an unseeded
+  `tf.random.shuffle`: without a global seed each worker draws its own order, and the
+  workers' parts come from different batches (some examples trained on twice an epoch,
+  others never), silently. Keras marks that dataset by letting its random state go
+  uncheckpointed (`experimental_external_state_policy=IGNORE`), which is how it is
+  recognized here.
+  """
+  if strategy._num_processes() <= 1 or tf.compat.v1.random.get_seed(None)[0] is not None:
+    return
+  policy = dataset.options().experimental_external_state_policy
+  if policy != tf.data.experimental.ExternalStatePolicy.IGNORE:
+    return
+  raise ValueError(
+      f"Keras shuffles the arrays given to fit (shuffle=True, its default) in each of the "
+      f"{strategy._num_processes()} worker processes of {strategy!r}, and without a "
+      "random seed each worker shuffles them in another order: the workers would split "
+      "different global batches, training on some examples twice an epoch and on others "
+      "never. Set the same seed in every worker before fit "
+      "(keras.utils.set_random_seed(seed), or tf.random.set_seed(seed)), pass "
+      "shuffle=False, or pass a tf.data dataset that yields the same batches in every "
+      "worker (shuffle(..., seed=seed)).")
 
 
 def _layers(layer):
