@@ -150,7 +150,12 @@ def _frozen_keras_fn(strategy, sync_dir):
   assert np.asarray(doubled).ravel().tolist() == [3.0], doubled
   outcomes = {}
   for name, path in paths.items():
-    path()  # Traced, and the step functions bounded, before the freeze.
+    # Traced, and the step functions bounded, before the freeze. Keras's first call
+    # traces and compiles its step inside the bound: on a loaded machine that took longer
+    # than STEP_TIMEOUT, and the step raised with every PS answering.
+    strategy.step_timeout = STEP_TIMEOUT + MARGIN
+    path()
+    strategy.step_timeout = STEP_TIMEOUT
     control("freeze")
     outcomes[name] = describe(*bounded(path, STEP_TIMEOUT + MARGIN))
     control("thaw")
