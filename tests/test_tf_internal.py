@@ -773,7 +773,25 @@ def test_pass_through_autograph_class():
       "pass_through_autograph_class", f"AutoGraph raised {type(raised).__name__}")
 
 
-def test_install_error_translator():
+@pytest.fixture
+def own_process_hooks(monkeypatch):
+  """Runs a test with TensorFlow's own error path and waits, and gives back afterwards
+  whatever hooks the process had: a ParameterServerStrategy made earlier in this worker
+  installs them for the process's lifetime."""
+  from diststrat._tf_internal import _cluster_rpc  # pylint: disable=g-import-not-at-top
+  targets = [(_cluster_rpc._eager_context, "async_wait"),
+             (_cluster_rpc._checkpoint, "_execute_callbacks"),
+             (_cluster_rpc._eager_core, "_status_to_exception"),
+             (_cluster_rpc, "_call_tracker")]
+  targets += [(_cluster_rpc._execute, name) for name in _cluster_rpc._EXECUTE_NAMES]
+  for module, name in targets:
+    monkeypatch.setattr(module, name, getattr(module, name))
+  _tf_internal.uninstall_sync_hook()
+  _tf_internal.uninstall_error_translator()
+  _tf_internal.set_call_tracker(None)
+
+
+def test_install_error_translator(own_process_hooks):
   seen = []
 
   def translate(error):
@@ -1056,7 +1074,7 @@ def test_enable_cross_process_collectives_and_check_peer_health():
 
 
 
-def test_wait_for_pending_ops(monkeypatch):
+def test_wait_for_pending_ops(monkeypatch, own_process_hooks):
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
   tf.add(1.0, 1.0)  # The context exists (the wait does nothing before).
   synced = []
@@ -1073,7 +1091,7 @@ def test_wait_for_pending_ops(monkeypatch):
                                "syncs the executors")
 
 
-def test_install_sync_hook_and_uninstall_sync_hook(tmp_path):
+def test_install_sync_hook_and_uninstall_sync_hook(tmp_path, own_process_hooks):
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
   original_wait = context.async_wait
   manager = tf.train.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)),
@@ -1209,7 +1227,7 @@ def _run_python_server():
   return _ServerProcess()
 
 
-def test_uninstall_error_translator():
+def test_uninstall_error_translator(own_process_hooks):
   _tf_internal.install_error_translator(lambda error: KeyError("translated"))
   _tf_internal.uninstall_error_translator()
   _tf_internal.uninstall_error_translator()  # Twice: nothing left to undo.
@@ -1389,7 +1407,7 @@ def test_function_runs_collectives():
   assert _tf_internal.function_runs_collectives("Identity") is False
 
 
-def test_set_call_tracker():
+def test_set_call_tracker(own_process_hooks):
   calls = []
 
   class Tracker:
