@@ -268,10 +268,11 @@ def split_batch(batch, devices, allow_empty=False, first_tower=0, num_towers=Non
     sizes = split_sizes(static, n)
   else:
     size = tf.shape(batch, out_type=tf.int64)[0]
-    checks = [] if allow_empty else [tf.debugging.assert_greater_equal(
-        size, tf.constant(n, tf.int64),
-        message=f"A batch with fewer examples than the {n} towers cannot be split "
-                "across them; use a global batch size >= the number of towers.")]
+    # The message of `split_sizes`, with the batch size known only when the step runs.
+    checks = [] if allow_empty else [tf.debugging.Assert(size >= n, [
+        "A batch of", size, f"examples cannot be split across {n} towers: each tower "
+        f"needs at least one example. Use a global batch size of at least {n} (or "
+        "drop_remainder=True when batching)."])]
     with tf.control_dependencies(checks):
       base = size // n
       extra = size % n
