@@ -563,6 +563,39 @@ def test_tower_timeout_is_bounded():
   assert not _tower_threads.abandoned_tower_threads()
 
 
+def test_a_finished_abandoned_tower_lets_go_of_its_strategy(monkeypatch):
+  """A tower abandoned by a timeout stayed listed after it finished, until someone called
+  `abandoned_tower_threads()`: a long-lived process (a notebook whose steps time out or
+  are interrupted) kept every such call's strategy, arguments and results. The tower
+  leaves the list as it finishes now, as a tower that did not time out does."""
+  import weakref  # pylint: disable=g-import-not-at-top
+  release = threading.Event()
+  # The warning's record names the strategy, and pytest keeps the test's records.
+  monkeypatch.setattr(_tower_threads.logger, "disabled", True)
+
+  def time_out():
+    s = ds.MirroredStrategy(CPUS[:2], tower_timeout=0.2)
+    result = tf.zeros([4])
+
+    def fn():
+      if ds.get_tower_context().tower_id == 1:
+        release.wait(10)
+      return result
+
+    with pytest.raises(ds.errors.TowerTimeoutError):
+      s.call_for_each_tower(fn)
+    [left] = _tower_threads.abandoned_tower_threads()
+    return left, weakref.ref(s), weakref.ref(result)
+
+  left, strategy_ref, result_ref = time_out()
+  release.set()
+  left.join(10)
+  assert not left.is_alive()
+  gc.collect()
+  assert (strategy_ref(), result_ref()) == (None, None)
+  assert not _tower_threads.abandoned_tower_threads()
+
+
 @pytest.mark.processes
 def test_a_forked_child_lists_no_abandoned_tower_threads_of_its_parent():
   s = ds.MirroredStrategy(CPUS[:2], tower_timeout=0.2)

@@ -26,10 +26,10 @@ tower that is still running its own code when the call fails (it timed out, or a
 tower failed while it ran) cannot be stopped by Python. Its error is raised at once; the
 thread is left to finish in the background (it unwinds at its next `merge_call` or
 return, then ends instead of going back to the pool), logged as a warning, and listed by
-`abandoned_tower_threads()`. A paused tower waits for its turn for as long as the call
-goes on (a `merge_fn` or the other towers may take longer than `timeout`): the calling
-thread releases it when the call returns or fails, and it gives up by itself only if
-that thread is gone.
+`abandoned_tower_threads()` until it ends (then it holds nothing of its call). A paused
+tower waits for its turn for as long as the call goes on (a `merge_fn` or the other
+towers may take longer than `timeout`): the calling thread releases it when the call
+returns or fails, and it gives up by itself only if that thread is gone.
 """
 
 import contextlib
@@ -258,6 +258,8 @@ class _Tower:
         reuse = not self.left_behind
         if reuse:  # Before the caller can see this tower end, so its next call finds it.
           _pool.put_back(self.worker)
+        elif self in _abandoned:  # Listed no longer: it would keep its call's strategy,
+          _abandoned.remove(self)  # arguments and results for as long as the process.
         self.finished.set()
       self.paused.set()
     return reuse
