@@ -101,3 +101,21 @@ def test_calls_after_a_frozen_task_was_blamed_raise_without_asking_again():
     assert len(probes) == asked  # Nobody was asked again.
   finally:
     release.set()
+
+
+def test_a_dropped_guard_is_freed_and_its_helper_thread_ends():
+  """The helper thread that runs a guard's calls held the guard, and waited for calls
+  for ever: each ParameterServerStrategy of cluster mode that a process made and dropped
+  left a thread behind, and kept its guard. The thread holds the guard weakly now, and
+  ends once the guard is gone."""
+  import gc  # pylint: disable=g-import-not-at-top
+  import weakref  # pylint: disable=g-import-not-at-top
+  guard = _watchdog.StepGuard([PS8], probe=lambda task: None, timeout=10, name="guard")
+  assert guard.run(lambda: 1, "a call") == 1
+  [helper] = [t for t in threading.enumerate() if t.name == f"diststrat-step-{id(guard):x}"]
+  freed = weakref.ref(guard)
+  del guard
+  gc.collect()
+  assert freed() is None
+  helper.join(10)
+  assert not helper.is_alive()

@@ -21,6 +21,9 @@ for it at most `timeout` seconds in the calling thread:
   warning names the step and the tasks that did not answer, and `ClusterError` is raised.
   The next call starts a new helper thread.
 
+The helper thread holds its guard weakly: a guard that nothing else holds (a dropped
+strategy's) is freed, and its idle helper thread ends within a second.
+
 Calls made from inside a guarded call (the strategy creating a variable during a step)
 run directly: the outer call already bounds them.
 
@@ -122,30 +125,36 @@ class _Job:
 
 
 class _HelperThread:
-  """A daemon thread that runs guarded calls one at a time until abandoned."""
+  """A daemon thread that runs guarded calls one at a time until abandoned, or until its
+  guard is gone."""
 
   def __init__(self, guard, name, jobs=None):
     self.jobs = queue.Queue()
     self.abandoned = False
     self.busy = False  # Set by the caller that queues a job, cleared when it is done.
     self._left = jobs  # Jobs to run before ending; None: until abandoned.
-    self.thread = threading.Thread(target=self._main, args=(guard,), name=name, daemon=True)
+    # The guard weakly: the thread would keep it (and the connection its jobs hold)
+    # alive, and itself running, after the strategy that made them was dropped.
+    self.thread = threading.Thread(target=self._main, args=(weakref.ref(guard), guard._local),
+                                   name=name, daemon=True)
     self.thread.start()
 
-  def _main(self, guard):
-    guard._local.inside = True
+  def _main(self, guard, local):
+    local.inside = True
     try:
-      self._run_jobs(guard)
+      self._run_jobs(guard, local)
     finally:
       _tf_internal.release_thread_state()
 
-  def _run_jobs(self, guard):
+  def _run_jobs(self, guard, local):
     while not self.abandoned and self._left != 0:
       try:
         job = self.jobs.get(timeout=1.0)
       except queue.Empty:
+        if guard() is None:  # No call can come: only the guard queues them.
+          return
         continue
-      guard._local.epoch = job.epoch
+      local.epoch = job.epoch
       try:
         job.result = job.fn()
       except BaseException as e:  # pylint: disable=broad-except
@@ -155,6 +164,7 @@ class _HelperThread:
           self._left -= 1
         self.busy = False
         job.done.set()
+        job = None  # Idle, the thread holds nothing of the call (its closure).
 
 
 class StepGuard:
