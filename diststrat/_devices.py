@@ -58,17 +58,19 @@ def canonicalize(device: str | tf.DeviceSpec | tf.config.LogicalDevice,
     spec = device
   elif isinstance(device, str):
     if "*" in device:  # TensorFlow parses "/cpu:*" as "/cpu", which means CPU:0 here.
-      raise ValueError(
+      raise _tf_internal.pass_through_autograph(ValueError(
           f"Expected one device, such as '/gpu:0'. Received: device={device!r}, a "
-          "wildcard for several. Name each device; diststrat.local_devices() lists them.")
+          "wildcard for several. Name each device; diststrat.local_devices() lists them."))
     try:
       spec = tf.DeviceSpec.from_string(device)
     except (ValueError, TypeError) as e:
-      raise ValueError(f"Expected a device string such as '/gpu:0' or "
-                       f"'/job:ps/task:0/device:CPU:0'. Received: device={device!r}") from e
+      raise _tf_internal.pass_through_autograph(ValueError(
+          f"Expected a device string such as '/gpu:0' or "
+          f"'/job:ps/task:0/device:CPU:0'. Received: device={device!r}")) from e
   else:
-    raise ValueError(f"Expected a device string such as '/gpu:0'. Received: "
-                     f"device={device!r} of type {type(device).__name__}")
+    raise _tf_internal.pass_through_autograph(ValueError(
+        f"Expected a device string such as '/gpu:0'. Received: "
+        f"device={device!r} of type {type(device).__name__}"))
   base = _process_defaults
   if default:
     base = base.make_merged_spec(tf.DeviceSpec.from_string(default))
@@ -100,18 +102,21 @@ def canonicalize_all(devices, default=None):
   if not hasattr(devices, "__iter__"):
     count = (f" To use {devices} devices, pass diststrat.local_devices()[:{devices}]."
              if isinstance(devices, int) and not isinstance(devices, bool) else "")
-    raise ValueError(f"devices must be a list of device strings, such as ['/gpu:0', "
-                     f"'/gpu:1']. Received: devices={devices!r} "
-                     f"({type(devices).__name__}).{count}")
+    raise _tf_internal.pass_through_autograph(ValueError(
+        f"devices must be a list of device strings, such as ['/gpu:0', "
+        f"'/gpu:1']. Received: devices={devices!r} "
+        f"({type(devices).__name__}).{count}"))
   if isinstance(devices, (set, frozenset, dict)):
     # Their order is the towers' order (tower ids, batch parts, variable copies), and a
     # set's changes from one run to the next.
-    raise ValueError(f"devices must be an ordered sequence (a list or tuple): their order "
-                     f"is the towers' order, and a {type(devices).__name__}'s varies between "
-                     f"runs. Received: devices={devices!r}. Pass sorted(devices) or a list.")
+    raise _tf_internal.pass_through_autograph(ValueError(
+        f"devices must be an ordered sequence (a list or tuple): their order "
+        f"is the towers' order, and a {type(devices).__name__}'s varies between "
+        f"runs. Received: devices={devices!r}. Pass sorted(devices) or a list."))
   result = tuple(canonicalize(d, default) for d in devices)
   if len(set(result)) != len(result):
-    raise ValueError(f"Each device may appear once. Received: devices={list(devices)!r}")
+    raise _tf_internal.pass_through_autograph(ValueError(
+        f"Each device may appear once. Received: devices={list(devices)!r}"))
   return result
 
 
@@ -164,10 +169,10 @@ def check_exist(devices, what="devices"):
     missing = [d for d in devices if d not in _known]
   if missing:
     shown = sorted(_known, key=lambda d: (d.rsplit(":", 2)[0], int(d.rsplit(":", 1)[1])))
-    raise ValueError(
+    raise _tf_internal.pass_through_autograph(ValueError(
         f"{what} must be devices that exist in this process. Received: "
         f"{', '.join(repr(d) for d in missing)}, which TensorFlow does not have; it has "
         f"{shown}. Name one of those (a GPU needs a GPU build of TensorFlow and a visible "
         "GPU; split a CPU into several with tf.config.set_logical_device_configuration "
-        "before TensorFlow starts).")
+        "before TensorFlow starts)."))
   return tuple(devices)

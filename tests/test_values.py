@@ -265,3 +265,49 @@ def test_flatten_and_pack_as_round_trip():
       "x": [10, (20, pair(30, None))], "y": 40}
   with pytest.raises(ValueError, match=r"pack_as\(\) got more leaves than the structure has"):
     _wrapped.pack_as(structure, leaves + [5])
+
+
+def test_errors_of_wrapped_values_and_device_names_keep_their_message_in_a_tf_function():
+  """Raised in code AutoGraph converts (a wrapped value's get(), its constructor,
+  regroup, canonicalize_device) or through a tensor conversion, these errors reached a
+  tf.function's caller rewritten: "in user code:", the file and line, then the message."""
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    per_tower = s.call_for_each_tower(
+        lambda i: tf.constant(float(i + 1)), s.worker_device_index)
+    total = s.reduce("sum", per_tower)
+
+  def as_tensor():
+    return tf.reduce_sum(per_tower) + tf.convert_to_tensor(total)
+
+  def mirrored_as_tensor():
+    return tf.reduce_sum(total)
+
+  def get_from_no_device():
+    return per_tower.get()
+
+  def get_from_a_missing_device():
+    return total.get("/cpu:3")
+
+  def empty():
+    return PerDevice({})
+
+  def one_device_twice():
+    return Mirrored({"/cpu:0": 1.0, "/device:CPU:0": 1.0})
+
+  def too_few_towers():
+    return regroup([tf.constant(1.0)], ["/cpu:0", "/cpu:1"])
+
+  def wildcard():
+    return ds.canonicalize_device("/cpu:*")
+
+  def unordered_devices():
+    return regroup([1.0], {"/cpu:0"})
+
+  for fn in (as_tensor, mirrored_as_tensor, get_from_no_device, get_from_a_missing_device,
+             empty, one_device_twice, too_few_towers, wildcard, unordered_devices):
+    with pytest.raises(ValueError) as eager:
+      fn()
+    with pytest.raises(ValueError) as traced:
+      tf.function(fn)()
+    assert str(traced.value) == str(eager.value), fn.__name__

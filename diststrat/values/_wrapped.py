@@ -28,14 +28,16 @@ class DistributedValues:
 
   def __init__(self, index: dict[Any, Any]) -> None:
     if not isinstance(index, dict) or not index:
-      raise ValueError(f"{type(self).__name__} takes a non-empty dict from device to value. "
-                       f"Received: {index!r}")
+      raise _tf_internal.pass_through_autograph(ValueError(
+          f"{type(self).__name__} takes a non-empty dict from device to value. "
+          f"Received: {index!r}"))
     self._index: dict[str, Any] = {}
     for device, value in index.items():
       key = _devices.canonicalize(device)
       if key in self._index:
-        raise ValueError(f"{type(self).__name__} got device {device!r} twice (as {key}). "
-                         "Give each device once.")
+        raise _tf_internal.pass_through_autograph(ValueError(
+            f"{type(self).__name__} got device {device!r} twice (as {key}). "
+            "Give each device once."))
       self._index[key] = value
 
   @property
@@ -72,11 +74,11 @@ class DistributedValues:
         return self._index[key]
     if not explicit and self._holds_copies:
       return self.primary  # Every copy holds the same value.
-    raise ValueError(
+    raise _tf_internal.pass_through_autograph(ValueError(
         f"{type(self).__name__} has no value on device {device!r}"
         f"{'' if explicit else ' (the current device)'}; it has values on "
         f"{list(self._index)}. Pass one of these devices to get(), or run the code "
-        "under tf.device() of one of them.")
+        "under tf.device() of one of them."))
 
   def __len__(self):
     return len(self._index)
@@ -136,15 +138,15 @@ def _refuse_tensor_conversion(value, dtype=None, name=None, as_ref=False):
   del dtype, name, as_ref  # Unused.
   devices = list(value.devices)
   if isinstance(value, Mirrored):
-    raise ValueError(
+    raise _tf_internal.pass_through_autograph(ValueError(
         f"A {type(value).__name__} (copies of one value, on {devices}) is not a tensor. "
         "Take one copy: value.get(device), or value.get() for the current device's (else "
-        "the first).")
-  raise ValueError(
+        "the first)."))
+  raise _tf_internal.pass_through_autograph(ValueError(
       f"A {type(value).__name__} (one value per tower, on {devices}) is not a tensor. "
       "Reduce it first (strategy.reduce(aggregation, value)), or take one tower's value: "
       "value.get(device) (value.values has them all). In a tower, call_for_each_tower "
-      "gives each tower its own value.")
+      "gives each tower its own value."))
 
 
 tf.register_tensor_conversion_function(PerDevice, _refuse_tensor_conversion)
@@ -301,11 +303,13 @@ def regroup(values_per_tower: Sequence[Any], devices: Sequence[str],
   values_per_tower = list(values_per_tower)
   devices = _devices.canonicalize_all(devices)
   if not values_per_tower:
-    raise ValueError("regroup() needs at least one tower's structure (and its device). "
-                     f"Received: values_per_tower=[], devices={list(devices)}.")
+    raise _tf_internal.pass_through_autograph(ValueError(
+        "regroup() needs at least one tower's structure (and its device). "
+        f"Received: values_per_tower=[], devices={list(devices)}."))
   if len(values_per_tower) != len(devices):
-    raise ValueError(f"regroup() needs one structure per device: got "
-                     f"{len(values_per_tower)} structures for {len(devices)} devices.")
+    raise _tf_internal.pass_through_autograph(ValueError(
+        f"regroup() needs one structure per device: got "
+        f"{len(values_per_tower)} structures for {len(devices)} devices."))
   return _regroup(values_per_tower, devices, values_per_tower, wrap_class or PerDevice)
 
 
