@@ -634,6 +634,15 @@ class DistributionStrategy:
     return stack
 
   def _variable_creator(self, next_creator, **kwargs):
+    try:
+      return self._checked_create_variable(next_creator, kwargs)
+    except Exception as e:
+      # Reached through tf.Variable() from the user's code: inside a tf.function,
+      # AutoGraph would rewrite it ("in user code:" in front), as _needs_cross_tower says.
+      _tf_internal.pass_through_autograph(e)
+      raise
+
+  def _checked_create_variable(self, next_creator, kwargs):
     for hook in _variable_creation_hooks:
       hook(self)
     variable = self._create_variable(next_creator, kwargs, self._colocation_target())

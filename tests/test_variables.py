@@ -530,3 +530,42 @@ def test_a_saved_function_taking_and_returning_wrapped_values_loads_with_tuples(
   # update() runs on the one saved copy while the save traces: one tensor, not a tuple.
   np.testing.assert_array_equal(loaded.bump().numpy(), m.bump().primary.numpy())
   np.testing.assert_array_equal(loaded.w.numpy(), m.w.numpy())
+
+
+def test_variable_errors_keep_their_message_in_a_tf_function():
+  """Raised under tf.Variable() (the strategy's variable creator) or a write of a
+  distributed variable called from the user's code, these errors reached a
+  tf.function's caller rewritten by AutoGraph ("in user code:", files and lines)."""
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    total = tf.Variable(_START, synchronization=tf.VariableSynchronization.ON_READ,
+                        aggregation=tf.VariableAggregation.SUM)
+    count = tf.Variable([4, 6], synchronization=tf.VariableSynchronization.ON_READ,
+                        aggregation=tf.VariableAggregation.SUM)
+
+  def tower_local_without_aggregation():
+    tf.Variable(1.0, synchronization=tf.VariableSynchronization.ON_READ)
+
+  def colocated_with_what_is_no_variable():
+    with s.colocate_vars_with(3.0):
+      tf.Variable(1.0)
+
+  def order_write_cross_tower():
+    return total.scatter_max(_SLICES)
+
+  def integer_scatter_div_cross_tower():
+    return count.scatter_div(tf.IndexedSlices(tf.constant([2]), tf.constant([0])))
+
+  def pickled():
+    return pickle.dumps(total)
+
+  for fn in (tower_local_without_aggregation, colocated_with_what_is_no_variable,
+             order_write_cross_tower, integer_scatter_div_cross_tower, pickled):
+    with s.scope():
+      with pytest.raises((ValueError, TypeError), match="aggregation|colocate|destinations|"
+                         "Cannot|cannot be pickled") as eager:
+        fn()
+      with pytest.raises((ValueError, TypeError)) as traced:
+        tf.function(fn)()
+    assert (type(traced.value), str(traced.value)) == (type(eager.value), str(eager.value)), (
+        fn.__name__)

@@ -363,10 +363,10 @@ class DistributedVariable(_wrapped.DistributedValues, tf.Variable):
     return new
 
   def __reduce__(self):
-    raise TypeError(
+    raise _tf_internal.pass_through_autograph(TypeError(
         f"The distributed variable {self.name!r} cannot be pickled: its copies live on "
         "its strategy's devices. Pickle its value (v.numpy()), or save it with "
-        "tf.train.Checkpoint.")
+        "tf.train.Checkpoint."))
 
   # --- writes: subclasses decide ---
 
@@ -605,14 +605,14 @@ class MirroredVariable(DistributedVariable):
     if self._aggregation == tf.VariableAggregation.NONE:
       if self._rules.merges_tower_writes:
         return self._merge_tower_writes(method, value, read_value)
-      raise ValueError(
+      raise _tf_internal.pass_through_autograph(ValueError(
           f"Cannot {method}() the mirrored variable {self.name!r} in a tower context "
           "with aggregation NONE: diststrat would not know how to combine the towers' "
           "values. Create it with tf.Variable(..., aggregation=tf.VariableAggregation.SUM) "
           "(or MEAN, ONLY_FIRST_REPLICA), or write it in cross-tower context "
           "(strategy.update() or merge_call). If a library created it (a "
           "tf.train.Checkpoint's save_counter, when a tower saves), call that library "
-          "in cross-tower context: outside call_for_each_tower, or in merge_call.")
+          "in cross-tower context: outside call_for_each_tower, or in merge_call."))
     method, value = self._rules.tower_write(self, method, value)
     return self._write_by_aggregation(method, value, read_value)
 
@@ -641,7 +641,7 @@ class MirroredVariable(DistributedVariable):
 
       _context.get_tower_context().merge_call(merge_fn, rows)
       return self
-    raise ValueError(
+    raise _tf_internal.pass_through_autograph(ValueError(
         f"Cannot {_named(method)} the mirrored variable {self.name!r} in a tower context "
         f"(aggregation {aggregation.name}): the towers would write different parts, and "
         "diststrat keeps every copy equal. Only scatter_add and scatter_sub of "
@@ -649,7 +649,7 @@ class MirroredVariable(DistributedVariable):
         "tower. Write it in cross-tower context (outside call_for_each_tower, in "
         "merge_call, or with strategy.update(v, fn), which runs fn on each copy), or "
         "write a dense value with assign, assign_add or assign_sub, which combine the "
-        "towers' values by the variable's aggregation.")
+        "towers' values by the variable's aggregation."))
 
   def _write_one(self, device, method, value, read_value):
     op = getattr(self._index[device], method)(_wrapped.select_device(device, value),
@@ -797,19 +797,19 @@ class TowerLocalVariable(DistributedVariable):
     if (method == "scatter_div" and self.dtype.is_integer and not
         _tf_internal.in_saved_model_trace()
         and self._aggregation == tf.VariableAggregation.SUM):
-      raise ValueError(
+      raise _tf_internal.pass_through_autograph(ValueError(
           f"Cannot scatter_div() the integer tower-local variable {self.name!r} in "
           "cross-tower context: its value is the sum of its copies, and the sum of the "
           "copies' floored quotients is not the floored quotient of their sum. Read it "
-          "(v.read_value()), compute the new value, and assign() it.")
+          "(v.read_value()), compute the new value, and assign() it."))
     if method in _ORDER_WRITES and not _tf_internal.in_saved_model_trace():
       kind = "sum" if self._aggregation == tf.VariableAggregation.SUM else "mean"
-      raise ValueError(
+      raise _tf_internal.pass_through_autograph(ValueError(
           f"Cannot {method}() the tower-local variable {self.name!r} in cross-tower "
           f"context: its value is the {kind} of its copies, and the {kind} of the copies' "
           f"{method.rsplit('_', 1)[-1]} is not the {method.rsplit('_', 1)[-1]} of their "
           f"{kind}. Read it (v.read_value()), compute the new value, and assign() it; or "
-          "write each tower's copy in its tower.")
+          "write each tower's copy in its tower."))
     scale = None  # scatter_mul, scatter_div: every copy takes the whole value.
     if method in _SPREAD_WRITES and not _tf_internal.in_saved_model_trace():
       scale = self._split_scale(method)  # The copies' aggregate takes the value.
