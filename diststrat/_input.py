@@ -5,6 +5,7 @@ from typing import Any, Sequence
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _tf_internal
+from diststrat.errors import keeps_errors_in_tf_function
 from diststrat.values import _wrapped
 
 
@@ -31,6 +32,7 @@ class PerDeviceDataset:
     [[0, 1, 2], [3, 4, 5]]
   """
 
+  @keeps_errors_in_tf_function
   def __init__(self, dataset: tf.data.Dataset, devices: Sequence[str] | None = None,
                prefetch: bool = True, first_tower: int = 0, num_towers: int | None = None) -> None:
     """See the class docstring.
@@ -178,7 +180,17 @@ def _split_element(element, devices, share):
       raise _not_dense(type(batch).__name__)
     return split_batch(batch, devices, first_tower=first, num_towers=total)
 
-  return tf.nest.map_structure(split_leaf, element)
+  return _keeping_errors(tf.nest.map_structure, split_leaf, element)
+
+
+def _keeping_errors(fn, *args):
+  """`fn(*args)`; an error (data that cannot be split, from `next(it)` in the user's
+  code) reaches a `tf.function`'s caller as itself, not rewritten by AutoGraph."""
+  try:
+    return fn(*args)
+  except Exception as e:
+    _tf_internal.pass_through_autograph(e)
+    raise
 
 
 def _element_spec(spec, devices, share):
@@ -207,7 +219,7 @@ def _element_spec(spec, devices, share):
       return _wrapped.BatchParts(parts)
     return _wrapped.BatchParts(parts, global_size=tf.TensorSpec([], tf.int64))
 
-  return tf.nest.map_structure(split_leaf, spec)
+  return _keeping_errors(tf.nest.map_structure, split_leaf, spec)
 
 
 class PerDeviceOptional:

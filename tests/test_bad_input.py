@@ -498,3 +498,34 @@ def test_unordered_devices_are_refused(make):
   with pytest.raises(ValueError, match=r"devices must be an ordered sequence \(a list or "
                      r"tuple\): their order is the towers' order"):
     make(CPUS[:2])
+
+
+def test_constructors_and_dataset_errors_keep_their_message_in_a_tf_function():
+  """Optimizers made in a step's first trace, the batches of an unbatched dataset taken
+  with next() in a step, and the other constructors' argument checks: their errors
+  reached a tf.function's caller rewritten by AutoGraph ("in user code:", files and
+  lines, then the message)."""
+  s = ds.MirroredStrategy(CPUS[:2])
+  unbatched = s.distribute_dataset(lambda: tf.data.Dataset.range(4))
+  ops = ds.cross_tower_ops
+
+  def next_unbatched():
+    return next(iter(unbatched))
+
+  cases = [
+      next_unbatched,
+      lambda: ds.PerDeviceDataset(3, CPUS[:2]),
+      lambda: ds.optimizers.GradientDescent(0.1, loss_reduction="max"),
+      lambda: ds.optimizers.Momentum("fast", 0.9),
+      lambda: ds.optimizers.Adam(learning_rate=None),
+      lambda: ds.MirroredStrategy(CPUS[:2], cross_tower_ops="naive"),
+      lambda: ops.AllReduceCrossTowerOps("fastest"),
+      lambda: ops.ReductionToOneDevice(accumulation_fn=3),
+      lambda: ops.CrossWorkerAllReduce(scheme="ring"),
+  ]
+  for i, fn in enumerate(cases):
+    with pytest.raises((TypeError, ValueError)) as eager:
+      fn()
+    with pytest.raises((TypeError, ValueError)) as traced:
+      tf.function(fn)()
+    assert (type(traced.value), str(traced.value)) == (type(eager.value), str(eager.value)), i

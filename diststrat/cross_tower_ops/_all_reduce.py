@@ -11,6 +11,7 @@ from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat._arguments import Aggregation
 from diststrat import _devices
+from diststrat.errors import keeps_errors_in_tf_function
 from diststrat.cross_tower_ops import _base
 from diststrat.cross_tower_ops import _collective
 from diststrat.cross_tower_ops import _packing
@@ -143,6 +144,7 @@ class AllReduceCrossTowerOps(_base.CrossTowerOps):
     [2.0, 2.0]
   """
 
+  @keeps_errors_in_tf_function
   def __init__(self, algorithm: str = "collective", num_packs: int = 1,
                timeout: float | None = _DEFAULT_TIMEOUT) -> None:
     super().__init__()

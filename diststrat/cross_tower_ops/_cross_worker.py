@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _tf_internal
+from diststrat.errors import keeps_errors_in_tf_function
 from diststrat._arguments import Aggregation
 from diststrat.cross_tower_ops import _base
 from diststrat.cross_tower_ops import _collective
@@ -67,6 +68,7 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
 
   _one_value_is_the_total = False  # Other workers hold values too.
 
+  @keeps_errors_in_tf_function
   def __init__(self, scheme: str = "hierarchical", num_packs: int = 1,
                timeout: float = DEFAULT_TIMEOUT,
                bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES) -> None:

@@ -4,6 +4,7 @@ from typing import Any, Callable
 
 from diststrat._tf import tf
 from diststrat import _devices
+from diststrat.errors import keeps_errors_in_tf_function
 from diststrat._arguments import Aggregation
 from diststrat.cross_tower_ops import _base
 
@@ -28,6 +29,7 @@ class ReductionToOneDevice(_base.CrossTowerOps):
     (<tf.Tensor: shape=(), dtype=float32, numpy=4.0>,)
   """
 
+  @keeps_errors_in_tf_function
   def __init__(self, reduce_to_device: str | None = None,
                accumulation_fn: Callable[[list[Any]], Any] = tf.math.add_n) -> None:
     super().__init__()

@@ -106,6 +106,7 @@ class Optimizer(tf.Module):
           return var.scatter_sub(tf.IndexedSlices(self._lr * tf.sign(grad.values), grad.indices))
   """
 
+  @keeps_errors_in_tf_function
   def __init__(self, name: str, loss_reduction: str = "mean") -> None:
     super().__init__(name=name)
     if loss_reduction not in ("mean", "sum"):

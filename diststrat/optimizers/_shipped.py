@@ -107,6 +107,7 @@ class GradientDescent(_HyperMixin, DistributedOptimizerMixin, Optimizer):
     0.8
   """
 
+  @keeps_errors_in_tf_function
   def __init__(self, learning_rate: Any, loss_reduction: str = "mean",
                name: str = "GradientDescent") -> None:
     super().__init__(name, loss_reduction=loss_reduction)
@@ -132,6 +133,7 @@ class Momentum(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   gradient drops most of each gradient's low bits).
   """
 
+  @keeps_errors_in_tf_function
   def __init__(self, learning_rate: Any, momentum: Any, use_nesterov: bool = False,
                loss_reduction: str = "mean", name: str = "Momentum") -> None:
     super().__init__(name, loss_reduction=loss_reduction)
@@ -186,6 +188,7 @@ class Adam(_HyperMixin, DistributedOptimizerMixin, Optimizer):
   rounds to 1 in bfloat16 (`v` stayed 0 and the steps exploded).
   """
 
+  @keeps_errors_in_tf_function
   def __init__(self, learning_rate: Any = 0.001, beta1: Any = 0.9, beta2: Any = 0.999,
                epsilon: Any = 1e-8, loss_reduction: str = "mean", name: str = "Adam") -> None:
     super().__init__(name, loss_reduction=loss_reduction)

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence
 from diststrat._tf import tf
 from diststrat import _arguments
 from diststrat import _devices
+from diststrat.errors import keeps_errors_in_tf_function
 from diststrat import cross_tower_ops
 from diststrat.cross_tower_ops import _choose
 from diststrat.cross_tower_ops import _measured
@@ -116,6 +117,7 @@ class MirroredStrategy(DistributionStrategy):
     6.0
   """
 
+  @keeps_errors_in_tf_function
   def __init__(self, devices: Optional[Sequence[str]] = None,
                cross_tower_ops: Optional[Any] = None,
                tower_timeout: float = _tower_threads.DEFAULT_TOWER_TIMEOUT) -> None:
