@@ -1399,3 +1399,35 @@ def test_apply_gradients_in_merge_call_applies_all_reduced_non_finite_gradients(
   for copy in got:
     np.testing.assert_array_equal(np.isnan(copy), np.isnan(expected[0]))
     np.testing.assert_array_equal(copy[~np.isnan(copy)], expected[0][~np.isnan(expected[0])])
+
+
+def test_the_tf_distribute_bridges_errors_keep_their_message_in_a_tf_function():
+  """A custom train_step or loop calling the bridge (`tf.distribute.get_strategy()` in a
+  diststrat scope) got its errors rewritten by AutoGraph inside a tf.function ("in user
+  code:", files and lines, then the message), and AutoGraph converted the bridge's own
+  code."""
+  s = ds.MirroredStrategy(CPUS[:2])
+
+  def reduce_of_a_value_every_tower_returned():
+    return tf.distribute.get_strategy().reduce("SUM", 3.0, axis=None)
+
+  def a_dataset_that_is_no_dataset():
+    return tf.distribute.get_strategy().experimental_distribute_dataset([1, 2])
+
+  def datasets_from_a_function():
+    return tf.distribute.get_strategy().distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.range(4))
+
+  def update_of_what_is_no_variable():
+    return tf.distribute.get_strategy().extended.update(3.0, lambda v: v)
+
+  for fn in (reduce_of_a_value_every_tower_returned, a_dataset_that_is_no_dataset,
+             datasets_from_a_function, update_of_what_is_no_variable):
+    with s.scope():
+      with pytest.raises(Exception) as eager:
+        fn()
+      with pytest.raises(Exception) as traced:
+        tf.function(fn)()
+    assert isinstance(eager.value, (ValueError, TypeError, NotImplementedError))
+    assert (type(traced.value), str(traced.value)) == (type(eager.value), str(eager.value)), (
+        fn.__name__)

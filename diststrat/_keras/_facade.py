@@ -125,6 +125,7 @@ class ReplicaContextAdapter:
   def devices(self):
     return (self._tower.device,)
 
+  @errors.keeps_errors_in_tf_function
   def merge_call(self, merge_fn, args=(), kwargs=None):
     _model_checks.check_optimizer_merging(self._adapter, merge_fn)
     return self._merged(_MergeFn(merge_fn, self._adapter), *args, **(kwargs or {}))
@@ -137,6 +138,7 @@ class ReplicaContextAdapter:
     return _wrapped.tower_part(self._tower.device,
                                self._tower.merge_call(merge_fn, *args, **kwargs))
 
+  @errors.keeps_errors_in_tf_function
   def all_reduce(self, reduce_op, value, options=None):
     """Reduces `value` (a tensor or a structure of them) over the towers; all get the result.
 
@@ -177,6 +179,7 @@ class ReplicaContextAdapter:
     _remember_copies(reduced, token)
     return _wrapped.pack_as(value, reduced)
 
+  @errors.keeps_errors_in_tf_function
   def all_gather(self, value, axis, options=None):
     """Every tower's `value` (a tensor or a structure of them) concatenated along `axis`
     in tower order (of every worker process); every tower gets the result.
@@ -483,6 +486,7 @@ class ExtendedAdapter:
   def parameter_devices(self):
     return self._ds.parameter_devices
 
+  @errors.keeps_errors_in_tf_function
   def colocate_vars_with(self, var):
     _model_checks.check_used_outside(self._adapter(), var, "colocate_vars_with()")
     return self._ds.colocate_vars_with(var)
@@ -493,6 +497,7 @@ class ExtendedAdapter:
   def variable_created_in_scope(self, v):
     return _variables.created_by(as_tf_variable(v)) is self._ds
 
+  @errors.keeps_errors_in_tf_function
   def update(self, var, fn, args=(), kwargs=None, group=True):
     """`strategy.update(var, fn, *args)`: `fn` once on each device holding `var`.
 
@@ -529,6 +534,7 @@ class ExtendedAdapter:
     result = self._ds.update(var, fn, *args, **kwargs)
     return self._grouped(result) if group else self._ungrouped(result)
 
+  @errors.keeps_errors_in_tf_function
   def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
     """`strategy.update_non_slot(colocate_with, fn, *args)` (tf.compat.v1 optimizers
     finish their step with it)."""
@@ -562,20 +568,25 @@ class ExtendedAdapter:
     with tf.control_dependencies([c for p in parts for c in p]):
       return _wrapped.pack_as(result, [tf.identity(p[0]) for p in parts])
 
+  @errors.keeps_errors_in_tf_function
   def call_for_each_replica(self, fn, args=(), kwargs=None):
     return self._ds.call_for_each_tower(fn, *args, **(kwargs or {}))
 
+  @errors.keeps_errors_in_tf_function
   def reduce_to(self, reduce_op, value, destinations, options=None):
     del options
     return self._ds.reduce(_reduce_op_name(reduce_op), value, destinations=destinations)
 
+  @errors.keeps_errors_in_tf_function
   def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
     del options
     return self._ds.batch_reduce(_reduce_op_name(reduce_op), value_destination_pairs)
 
+  @errors.keeps_errors_in_tf_function
   def broadcast_to(self, tensor, destinations):
     return self._ds.broadcast(tensor, destinations)
 
+  @errors.keeps_errors_in_tf_function
   def non_slot_devices(self, var_list):
     return self._ds.non_slot_devices(var_list)
 
@@ -668,11 +679,13 @@ class StrategyAdapter:
     """
     del options
     if not isinstance(dataset, tf.data.Dataset):
-      raise TypeError(
+      # Marked for AutoGraph here: a decorator would add frames between Keras and the
+      # search for its model below.
+      raise _tf_internal.pass_through_autograph(TypeError(
           "experimental_distribute_dataset() takes a tf.data.Dataset of global batches "
           f"(run splits each across the towers). Received: {type(dataset).__name__}. "
           "Make one with tf.data.Dataset.from_tensor_slices(...).batch(global_batch_size); "
-          f"a function returning it goes to {type(self._ds).__name__}.distribute_dataset().")
+          f"a function returning it goes to {type(self._ds).__name__}.distribute_dataset()."))
     # Keras's fit asks for its dataset before it builds its callback list: the last
     # moment a worker's file-writing callbacks can be pointed at its scratch directory.
     _file_callbacks.redirect_fit_callbacks(self._ds)
@@ -687,6 +700,7 @@ class StrategyAdapter:
     _model_checks.check_shuffled_arrays(self._ds, dataset)
     return dataset.prefetch(tf.data.AUTOTUNE)
 
+  @errors.keeps_errors_in_tf_function
   def distribute_datasets_from_function(self, dataset_fn, options=None):
     del dataset_fn, options
     raise NotImplementedError(
@@ -695,6 +709,7 @@ class StrategyAdapter:
         "tf.data.Dataset of global batches (or numpy arrays) to model.fit, or use "
         f"{type(self._ds).__name__}.distribute_dataset() in a custom loop.")
 
+  @errors.keeps_errors_in_tf_function
   def experimental_distribute_values_from_function(self, value_fn):
     """`value_fn(tf.distribute.experimental.ValueContext)` on each of this process's
     towers (under its device), as a per-tower value for `run`: replica ids count every
@@ -716,10 +731,12 @@ class StrategyAdapter:
       return wrapped[0]
     return _wrapped.pack_as(per_tower[0], wrapped)
 
+  @errors.keeps_errors_in_tf_function
   def group(self, value, name=None):
     """One op that runs every part of `value` (None in eager mode)."""
     return self._ds.group(value, name=name)
 
+  @errors.keeps_errors_in_tf_function
   def experimental_local_results(self, value):
     """This process's per-tower values of `value`, in tower order, as a tuple.
 
@@ -805,6 +822,7 @@ class StrategyAdapter:
 
   # --- cross-replica reductions Keras may call ---
 
+  @errors.keeps_errors_in_tf_function
   def reduce(self, reduce_op, value, axis=None):
     """Reduces per-tower values over the towers (and over `axis` of each, if given).
 
@@ -883,5 +901,6 @@ class StrategyAdapter:
     with tf.device(first):
       return reduced[0] / reduced[1]
 
+  @errors.keeps_errors_in_tf_function
   def gather(self, value, axis):
     return self._ds.gather(value, axis=axis)
