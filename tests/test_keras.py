@@ -1431,3 +1431,25 @@ def test_the_tf_distribute_bridges_errors_keep_their_message_in_a_tf_function():
     assert isinstance(eager.value, (ValueError, TypeError, NotImplementedError))
     assert (type(traced.value), str(traced.value)) == (type(eager.value), str(eager.value)), (
         fn.__name__)
+
+
+def test_the_bridges_reduce_refuses_an_op_that_is_not_sum_or_mean():
+  """`reduce("max", ...)` returned the value unchanged on one tower, or, with an axis,
+  its mean; on two towers with an axis it raised IndexError. tf.distribute refuses it
+  (ValueError), as the bridge now does, naming what to pass."""
+  message = (r"reduce\(\) takes reduce_op tf.distribute.ReduceOp.SUM or MEAN.*"
+             r"Received: reduce_op='max'")
+  for devices in (CPUS[:1], CPUS[:2]):
+    reference = tf.distribute.MirroredStrategy(devices)
+    with reference.scope(), pytest.raises(ValueError):
+      reference.reduce("max", reference.run(lambda: tf.constant([1.0, 5.0])), axis=0)
+    with ds.MirroredStrategy(devices).scope():
+      adapter = tf.distribute.get_strategy()
+      per_tower = adapter.run(lambda: tf.constant([1.0, 5.0]))
+      for axis in (None, 0):
+        with pytest.raises(ValueError, match=message):
+          adapter.reduce("max", per_tower, axis=axis)
+      with pytest.raises(ValueError, match=r"all_reduce\(\) takes reduce_op .*reduce_op=3"):
+        adapter.run(lambda: tf.distribute.get_replica_context().all_reduce(3, 1.0))
+      total = adapter.reduce(tf.distribute.ReduceOp.SUM, per_tower, axis=0)
+      assert float(total) == 6.0 * len(devices)

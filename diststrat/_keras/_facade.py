@@ -30,6 +30,7 @@ workers other than the chief). See docs/keras.md.
 """
 
 import contextlib
+import enum
 import threading
 import weakref
 from typing import Any
@@ -81,9 +82,17 @@ def _is_per_tower(value):
   return isinstance(value, _wrapped.DistributedValues) and not isinstance(value, tf.Variable)
 
 
-def _reduce_op_name(reduce_op):
-  """"sum" or "mean" for a `tf.distribute.ReduceOp` or a string."""
-  return str(getattr(reduce_op, "value", reduce_op)).lower()
+def _reduce_op_name(reduce_op, method):
+  """"sum" or "mean" for a `tf.distribute.ReduceOp`, a `tf.VariableAggregation` or a
+  string (any case); anything else raises `ValueError`, as tf.distribute's methods do."""
+  name = reduce_op.name if isinstance(reduce_op, enum.Enum) else reduce_op
+  if isinstance(name, str) and name.lower() in ("sum", "mean"):
+    return name.lower()
+  raise ValueError(
+      f"{method}() takes reduce_op tf.distribute.ReduceOp.SUM or MEAN, or the string "
+      f"'sum' or 'mean' (any case). Received: reduce_op={reduce_op!r}. A maximum or "
+      "minimum over the towers is not a reduction diststrat does: gather the values "
+      "(strategy.gather, or all_gather in a tower) and take it from them.")
 
 
 class _MergeFn(_context.WrappedMergeFn):
@@ -147,7 +156,7 @@ class ReplicaContextAdapter:
     declared here: the same reduction of the towers' upstream gradients.
     """
     del options
-    op = _reduce_op_name(reduce_op)
+    op = _reduce_op_name(reduce_op, "all_reduce")
     # Python numbers as tensors, as tf.distribute takes them: every tower
     # passing the same number regrouped to that one number, which a reduction took as one
     # value (a "sum" of 1.0 over N towers gave 1.0, not N).
@@ -575,12 +584,14 @@ class ExtendedAdapter:
   @errors.keeps_errors_in_tf_function
   def reduce_to(self, reduce_op, value, destinations, options=None):
     del options
-    return self._ds.reduce(_reduce_op_name(reduce_op), value, destinations=destinations)
+    op = _reduce_op_name(reduce_op, "reduce_to")
+    return self._ds.reduce(op, value, destinations=destinations)
 
   @errors.keeps_errors_in_tf_function
   def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
     del options
-    return self._ds.batch_reduce(_reduce_op_name(reduce_op), value_destination_pairs)
+    op = _reduce_op_name(reduce_op, "batch_reduce_to")
+    return self._ds.batch_reduce(op, value_destination_pairs)
 
   @errors.keeps_errors_in_tf_function
   def broadcast_to(self, tensor, destinations):
@@ -834,7 +845,7 @@ class StrategyAdapter:
     tower's, as in tf.distribute: its `"sum"` with an `axis` counts it once per tower,
     and without one raises `ValueError` (on one tower it is the value).
     """
-    op = _reduce_op_name(reduce_op)
+    op = _reduce_op_name(reduce_op, "reduce")
     leaves = _wrapped.flatten(value) if _wrapped.is_structure(value) else [value]
     results = [self._reduce_one(op, leaf, axis) for leaf in leaves]
     return _wrapped.pack_as(value, results) if _wrapped.is_structure(value) else results[0]
