@@ -569,3 +569,29 @@ def test_variable_errors_keep_their_message_in_a_tf_function():
         tf.function(fn)()
     assert (type(traced.value), str(traced.value)) == (type(eager.value), str(eager.value)), (
         fn.__name__)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_a_mirrored_variable_refuses_one_value_per_tower_in_cross_tower_context(traced):
+  """`v.assign(per_tower)` outside the towers wrote each copy with its own tower's
+  value: the copies of a mirrored variable differed ([0.0, 1.0]), silently."""
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    v = tf.Variable(5.0)
+    per_tower = s.call_for_each_tower(
+        lambda i: tf.constant(float(i)), s.worker_device_index)
+
+    def write(method):
+      fn = lambda: getattr(v, method)(per_tower)  # noqa: E731
+      return tf.function(fn)() if traced else fn()
+
+    for method in ("assign", "assign_add", "assign_sub"):
+      with pytest.raises(ValueError, match=rf"Cannot {method}\(\) the mirrored variable "
+                         r"'Variable:0' in cross-tower context with one value per tower"
+                         r".*strategy.reduce\('sum' or 'mean', value, destinations=var\)"):
+        write(method)
+    assert [float(c) for c in s.unwrap(v)] == [5.0, 5.0]
+    # What the message says works, and a mirrored value is still written to every copy.
+    v.assign(s.reduce("sum", per_tower, destinations=v))
+    v.assign_add(per_tower.get(CPUS[1]))
+    assert [float(c) for c in s.unwrap(v)] == [2.0, 2.0]

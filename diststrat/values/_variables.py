@@ -601,6 +601,14 @@ class MirroredVariable(DistributedVariable):
       if device is not None and device in self._index:
         # Inside update(): the function runs once per copy, each writing its own.
         return self._write_one(device, method, value, read_value)
+      if isinstance(value, _wrapped.PerDevice):
+        # Each copy would take its own tower's value, and the copies would differ.
+        raise _tf_internal.pass_through_autograph(ValueError(
+            f"Cannot {method}() the mirrored variable {self.name!r} in cross-tower "
+            "context with one value per tower (a PerDevice over "
+            f"{list(value.devices)}): every copy of it holds the same value. Combine "
+            "the towers' values first: strategy.reduce('sum' or 'mean', value, "
+            "destinations=var), or take one tower's: value.get(device)."))
       return self._write_all(method, value, read_value)
     if self._aggregation == tf.VariableAggregation.NONE:
       if self._rules.merges_tower_writes:
