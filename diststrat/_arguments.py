@@ -362,7 +362,8 @@ def check_value_destination_pairs(method, value):
 _VARIABLE_FIXES = {
     "update": ("To compute with a value, do it in the towers or in cross-tower code "
                "directly; update() is for writing a variable on each device that holds it."),
-    "colocate_vars_with": ("Pass the variable whose devices the new variables should share."),
+    "colocate_vars_with": ("Pass the variable whose devices the new variables should share "
+                           "(or what non_slot_devices() returns)."),
     "apply_gradients": ("Create the step counter once, such as tf.Variable(0, "
                         "dtype=tf.int64), in the strategy's scope, and pass it."),
     "read_var": ("A tensor is already a value: use it directly; read_var() is for reading "

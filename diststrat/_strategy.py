@@ -167,6 +167,15 @@ def _check_update_values(method, args, kwargs, var=None):
           f"value on every device holding var.{towers_way}")
 
 
+def _names_devices(var):
+  """Whether `colocate_vars_with` can place variables by `var`: a variable, a wrapped
+  value, or devices (what `non_slot_devices` returns)."""
+  return (isinstance(as_tf_variable(var), (tf.Variable, _wrapped.DistributedValues)) or
+          isinstance(var, (str, tf.DeviceSpec, tf.Tensor)) or
+          (isinstance(var, (list, tuple)) and bool(var) and
+           all(isinstance(d, (str, tf.DeviceSpec)) for d in var)))
+
+
 def _missing_copy(method, devices, device, error):
   """The `ValueError` of an update whose wrapped argument has no copy on `device`."""
   return ValueError(
@@ -415,7 +424,9 @@ class DistributionStrategy:
 
     Must be used inside `scope()`.
     """
-    if var is None:  # Would be ignored: the variables would go where they always go.
+    if not _names_devices(var):
+      # None would be ignored (the variables would go where they always go); anything
+      # else failed only when a variable was created, naming "destinations".
       _arguments.check_variable("colocate_vars_with", var)
     if _context.get_distribution_strategy() is not self and not self._is_default():
       raise errors.ContextError(

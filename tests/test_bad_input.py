@@ -529,3 +529,25 @@ def test_constructors_and_dataset_errors_keep_their_message_in_a_tf_function():
     with pytest.raises((TypeError, ValueError)) as traced:
       tf.function(fn)()
     assert (type(traced.value), str(traced.value)) == (type(eager.value), str(eager.value)), i
+
+
+def test_colocate_vars_with_refuses_what_names_no_device_at_the_call():
+  """`colocate_vars_with(3.0)` was taken; the next variable created inside it failed with
+  "destinations must be None, a device string, ..." (MirroredStrategy) or
+  AttributeError "'float' object has no attribute 'device'" (the default strategy)."""
+  for s in (ds.MirroredStrategy(CPUS[:2]), ds.get_distribution_strategy()):
+    with s.scope():
+      v = tf.Variable(1.0)
+
+      def traced(s=s):
+        s.colocate_vars_with(["/cpu:0", 1])
+
+      for fn in (functools.partial(s.colocate_vars_with, 3.0), tf.function(traced)):
+        with pytest.raises(TypeError, match=r"^colocate_vars_with\(\) takes a variable as "
+                           r"var .*Received: var=(3.0 \(float\)|\['/cpu:0', 1\] \(list\))\. "
+                           r"Pass the variable .*or what non_slot_devices\(\) returns"):
+          fn()
+      for anchor in (v, s.non_slot_devices([v])):  # Still taken.
+        with s.colocate_vars_with(anchor):
+          w = tf.Variable(2.0)
+        assert [c.device for c in s.unwrap(w)] == [c.device for c in s.unwrap(v)]
