@@ -321,6 +321,25 @@ def _check_numeric(method, value, leaf):
       f"({type(value).__name__}{', dtype ' + dtype_name if dtype_name else ''}). {fix}")
 
 
+def check_broadcast_leaf(leaf):
+  """`leaf` if `broadcast` can copy it (what `tf.convert_to_tensor` takes: a tensor, a
+  variable, a number, a string, an array), else `TypeError` naming what it takes.
+
+  TensorFlow's own error was `ValueError` in eager mode and `TypeError` in a graph.
+  """
+  if leaf is None or isinstance(leaf, (tf.Tensor, tf.Variable, tf.IndexedSlices)):
+    return leaf
+  try:
+    tf.convert_to_tensor(leaf)
+  except (TypeError, ValueError) as e:
+    raise TypeError(
+        "broadcast() copies tensors: it takes a tensor, a variable, or a value "
+        "tf.convert_to_tensor takes (a number, a string, a numpy array, a list of "
+        "numbers), or a dict, list, tuple or namedtuple of them. Received: "
+        f"{short_repr(leaf)} ({type(leaf).__name__}). Convert it to a tensor first.") from e
+  return leaf
+
+
 def short_repr(value: Any, limit: int = 80) -> str:
   """`repr(value)`, cut to `limit` characters."""
   text = repr(value)

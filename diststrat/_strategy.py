@@ -167,6 +167,13 @@ def _check_update_values(method, args, kwargs, var=None):
           f"value on every device holding var.{towers_way}")
 
 
+def _broadcast_leaf(leaf):
+  """`leaf`, checked for `broadcast` (a wrapped value is refused by its `_broadcast`)."""
+  if isinstance(leaf, _wrapped.DistributedValues):
+    return leaf
+  return _arguments.check_broadcast_leaf(leaf)
+
+
 def _names_devices(var):
   """Whether `colocate_vars_with` can place variables by `var`: a variable, a wrapped
   value, or devices (what `non_slot_devices` returns)."""
@@ -378,8 +385,8 @@ class DistributionStrategy:
     """
     destinations = _wrapped.resolve_destinations(destinations, self._default_destinations)
     if not _wrapped.is_structure(tensor):
-      return self._broadcast(tensor, destinations)
-    return _wrapped.pack_as(tensor, [self._broadcast(leaf, destinations)
+      return self._broadcast(_broadcast_leaf(tensor), destinations)
+    return _wrapped.pack_as(tensor, [self._broadcast(_broadcast_leaf(leaf), destinations)
                                      for leaf in _wrapped.flatten(tensor)])
 
   @cross_tower_method

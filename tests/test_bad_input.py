@@ -551,3 +551,24 @@ def test_colocate_vars_with_refuses_what_names_no_device_at_the_call():
         with s.colocate_vars_with(anchor):
           w = tf.Variable(2.0)
         assert [c.device for c in s.unwrap(w)] == [c.device for c in s.unwrap(v)]
+
+
+@pytest.mark.parametrize("strategy", ["default", "mirrored"])
+def test_broadcast_refuses_what_is_no_tensor_with_one_type_in_both_modes(strategy):
+  """broadcast(object()) raised TensorFlow's ValueError "Attempt to convert a value ...
+  with an unsupported type" in eager mode and its TypeError "Failed to convert elements
+  of ..." inside a tf.function: one mistake, two types."""
+  s = ds.DefaultStrategy() if strategy == "default" else ds.MirroredStrategy(CPUS[:2])
+  message = (r"^broadcast\(\) copies tensors: it takes a tensor, a variable, or a value "
+             r"tf.convert_to_tensor takes .* Received: <object object at .*> \(object\)")
+  with s.scope():
+    for mode in ("eager", "function"):
+      with pytest.raises(TypeError, match=message):
+        _run(mode, lambda: s.broadcast(object()))
+      with pytest.raises(TypeError, match=message):
+        _run(mode, lambda: s.broadcast({"a": 1.0, "b": [object()]}))
+    # What it takes still broadcasts: numbers, strings, arrays, structures of them.
+    copies = s.broadcast({"n": 2, "s": "text", "a": np.ones(2, np.float32)})
+    assert [int(c) for c in s.unwrap(copies["n"])] == [2] * s.num_towers
+    assert [bytes(tf.convert_to_tensor(c).numpy()) for c in s.unwrap(copies["s"])] == (
+        [b"text"] * s.num_towers)
