@@ -232,6 +232,25 @@ def test_apply_gradients_in_cross_tower_context_raises():
       opt.apply_gradients([(tf.constant(1.0), v)])
 
 
+def test_apply_gradients_outside_the_scope_updates_every_copy_of_mirrored_variables():
+  """Outside any scope, the gradients are applied through the variables' strategy: one
+  value for every copy, with mirrored state, as numpy's Adam on one variable."""
+  s = ds.MirroredStrategy(CPUS[:2])
+  with s.scope():
+    v = tf.Variable([1.0, 2.0])
+    opt = optimizers.Adam(0.1)
+  step = tf.Variable(0, dtype=tf.int64)
+  grads = [np.array([0.5, -1.0], np.float32), np.array([2.0, 0.25], np.float32)]
+  opt.apply_gradients([(tf.constant(grads[0]), v)], global_step=step)
+  tf.function(lambda g: opt.apply_gradients([(g, v)], global_step=step))(
+      tf.constant(grads[1]))
+  expected = np_adam(np.array([1.0, 2.0], np.float32), grads, lr=0.1)
+  for copy in v.values:
+    np.testing.assert_allclose(copy.numpy(), expected, rtol=1e-6)
+  assert isinstance(opt.get_slot(v, "m"), MirroredVariable)
+  assert int(step.numpy()) == 2
+
+
 def test_apply_gradients_errors():
   v = tf.Variable(1.0)
   opt = optimizers.GradientDescent(0.1)

@@ -17,6 +17,27 @@ else:
   _MixinBase = object
 
 
+def _strategy_of(pairs):
+  """The strategy whose distributed variables `pairs` trains, or None for plain variables.
+
+  Raises:
+    ValueError: the variables belong to several strategies.
+  """
+  owners = []
+  for _, var in pairs:
+    owner = _optimizer.state_owner(var)
+    strategy = getattr(owner, "distribution_strategy", None) \
+        if isinstance(owner, _wrapped.DistributedValues) else None
+    if strategy is not None and all(strategy is not o for o in owners):
+      owners.append(strategy)
+  if len(owners) > 1:
+    raise ValueError(
+        "apply_gradients() updates the variables of one strategy at a time. Received: "
+        f"variables of {owners[0]!r} and of {owners[1]!r}. Apply each strategy's "
+        "gradients in its own towers (strategy.call_for_each_tower).")
+  return owners[0] if owners else None
+
+
 class DistributedOptimizerMixin(_MixinBase):
   """Makes an `Optimizer` subclass distribution-aware. Put it first in the bases.
 
@@ -56,13 +77,23 @@ class DistributedOptimizerMixin(_MixinBase):
                       name: str | None = None) -> Any:
     """From a tower: merges the towers' gradients and applies them (see the class doc).
 
+    Outside any scope it applies them directly; variables a strategy created (mirrored
+    ones) are updated through that strategy, every copy with the same value.
+
     Returns:
       `global_step` if given (incremented once per step), else None: values a
       `tf.function` can return.
     """
     grads_and_vars = list(grads_and_vars)
     if not _context.has_distribution_strategy():
-      return super().apply_gradients(grads_and_vars, global_step=global_step, name=name)
+      owner = _strategy_of(self._check_pairs(grads_and_vars))
+      if owner is None:
+        return super().apply_gradients(grads_and_vars, global_step=global_step, name=name)
+      # Variables of a strategy, outside its scope: each gradient is one value for every
+      # copy (written directly, only the first copy would change) and the state is the
+      # strategy's, as in its scope.
+      with owner.scope():
+        return self._distributed_apply(owner, grads_and_vars, global_step, name)
     tower = _context.get_tower_context()
     if tower is None:
       raise errors.ContextError(
