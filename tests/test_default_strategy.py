@@ -61,6 +61,29 @@ def test_update_runs_colocated_with_var(s):
   assert v.numpy() == 5.0
 
 
+@pytest.mark.parametrize("use_function", [False, True])
+def test_update_of_a_mirrored_variable_writes_every_copy(s, use_function):
+  """A variable another strategy mirrors is updated by that strategy: every copy gets
+  `fn`, as its own `update` does, never only the first."""
+  mirrored = ds.MirroredStrategy(CPUS[:2])
+  with mirrored.scope():
+    v = tf.Variable([1.0, 2.0])
+
+  devices = []  # Where fn ran (traced once per copy in a tf.function).
+
+  def add(var, t):
+    devices.append(ds.get_update_device())
+    return var.assign_add(t)
+
+  def step():
+    s.update(v, add, tf.constant([10.0, 20.0]))
+
+  tf.function(step)() if use_function else step()
+  assert devices == list(v.devices)
+  for copy in v.values:
+    np.testing.assert_array_equal(copy.numpy(), [11.0, 22.0])
+
+
 def test_update_non_slot_and_non_slot_devices(s):
   with tf.device("/cpu:1"):
     b = tf.Variable(1.0, name="b_var")

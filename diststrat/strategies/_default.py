@@ -9,9 +9,20 @@ from diststrat import _input
 from diststrat import errors
 from diststrat._strategy import DistributionStrategy
 from diststrat.strategies import _tower_threads
+from diststrat.values import _variables
 
 _LOCK = threading.Lock()
 _INSTANCE = None
+
+
+def _owner_of(var):
+  """The strategy that mirrors `var`, or None (a plain variable, or a tower-local one,
+  whose copies differ on purpose)."""
+  if isinstance(var, _variables.MirroredVariable):
+    strategy = var.distribution_strategy
+    if strategy is not None and not isinstance(strategy, DefaultStrategy):
+      return strategy
+  return None
 
 
 class DefaultStrategy(DistributionStrategy):
@@ -73,6 +84,11 @@ class DefaultStrategy(DistributionStrategy):
     return tensor
 
   def _update(self, var, fn, args, kwargs):
+    owner = _owner_of(var)
+    if owner is not None:
+      # Another strategy's copies: its update writes each (colocated with the first
+      # copy alone, `fn` would write only that one, and the copies would differ).
+      return owner.update(var, fn, *args, **kwargs)
     return self._run_colocated(var, fn, (var,) + tuple(args), kwargs)
 
   def _update_non_slot(self, colocate_with, fn, args, kwargs):
