@@ -898,6 +898,10 @@ def test_multi_worker_argument_errors():
   with pytest.raises(ValueError, match="strategy must be 'parameter_server' .* or "
                                        "'multi_worker'"):
     LocalCluster(num_ps=0).run_on_workers(_ragged_fn, strategy="parameter_server")
+  # Refused at the call, before any worker process starts to refuse its cluster spec.
+  with pytest.raises(ValueError, match=r"strategy='multi_worker' runs on a cluster without "
+                                       r"parameter servers, .* has 1 PS task"):
+    LocalCluster(num_ps=1).run_on_workers(_ragged_fn, strategy="multi_worker")
 
 
 def _proc_status(field):

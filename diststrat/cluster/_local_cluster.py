@@ -552,7 +552,7 @@ class LocalCluster:
       fn: a module-level function (it is pickled): `fn(strategy, **kwargs)`.
       strategy: "parameter_server" (`ParameterServerStrategy`, the default when the
         cluster has PS tasks) or "multi_worker" (`MultiWorkerMirroredStrategy`, the
-        default without PS tasks).
+        default without PS tasks; only there).
       **kwargs: picklable keyword arguments for `fn`.
 
     Returns:
@@ -560,6 +560,8 @@ class LocalCluster:
 
     Raises:
       TypeError: `fn`, `kwargs` or the `strategy_kwargs` cannot be pickled.
+      ValueError: `strategy` does not fit the cluster ("parameter_server" without PS
+        tasks, "multi_worker" with them), before any worker process starts.
       The exception of the worker that failed first, in time (same type when it can be
       pickled, else `ClusterError`), with notes naming the task, its traceback and the
       later failures of other workers (often caused by the first); `ClusterError`
@@ -591,6 +593,12 @@ class LocalCluster:
       raise ValueError(
           f"strategy must be 'parameter_server' (a cluster with PS tasks) or 'multi_worker'. "
           f"Received: strategy={strategy!r} for {self!r}.")
+    if strategy == "multi_worker" and self.num_ps:
+      raise ValueError(
+          "strategy='multi_worker' runs on a cluster without parameter servers, which "
+          f"MultiWorkerMirroredStrategy does not use, but {self!r} has {self.num_ps} PS "
+          "task(s). Use strategy='parameter_server' here, or a LocalCluster(num_ps=0, ...) "
+          "for synchronous training.")
     main_path = None
     # What fn, kwargs or strategy_kwargs take from a script run as `__main__` (functions,
     # classes) pickles by that name: the workers load the script to find it.
