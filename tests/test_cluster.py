@@ -926,6 +926,23 @@ def test_local_cluster_refuses_bad_arguments_before_starting_anything(kwargs, me
   assert set(_local_cluster._running_clusters) == running  # pylint: disable=protected-access
 
 
+def test_strategy_kwargs_the_workers_strategy_does_not_take_are_refused_when_given():
+  """Each worker's strategy would refuse the keyword (a TypeError from every worker
+  process, once started); the cluster refuses it itself. Unmarked: starting a process
+  fails this test (conftest.py)."""
+  with pytest.raises(TypeError, match=r"strategy_kwargs has colective_timeout, which "
+                                      r"MultiWorkerMirroredStrategy does not take \(the "
+                                      r"strategy of a cluster without PS tasks\)\. It takes "
+                                      r"devices, cross_worker_ops, collective_timeout, "):
+    LocalCluster(num_ps=0, num_workers=2, strategy_kwargs={"colective_timeout": 5})
+  with pytest.raises(TypeError, match=r"strategy_kwargs has collective_timeout, which "
+                                      r"ParameterServerStrategy does not take"):
+    LocalCluster(num_ps=1, strategy_kwargs={"collective_timeout": 5, "step_timeout": 5})
+  # What each strategy takes passes.
+  LocalCluster(num_ps=0, strategy_kwargs={"collective_timeout": 5, "devices": None})
+  LocalCluster(num_ps=1, strategy_kwargs={"step_timeout": 5, "cache_reads": True})
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_local_cluster_errors_and_cleanup(tmp_path):

@@ -31,6 +31,7 @@ other on loopback, and nothing outside the cluster reaches them.
 from typing import Any, Callable, Optional
 
 import atexit
+import inspect
 import ipaddress
 import logging
 import numbers
@@ -47,6 +48,7 @@ from multiprocessing import connection
 
 from diststrat import _arguments
 from diststrat import errors
+from diststrat import strategies
 from diststrat._cluster_runtime import _exposure
 from diststrat.cluster import _forkserver
 from diststrat.cluster import _processes
@@ -134,8 +136,14 @@ def _check_host(host):
 _CLUSTER_SET_KWARGS = ("cluster_spec", "task_type", "task_id")
 
 
-def _check_strategy_kwargs(strategy_kwargs):
-  """A copy of `strategy_kwargs` (a dict of keyword arguments, or None), else raises."""
+def _check_strategy_kwargs(strategy_kwargs, num_ps):
+  """A copy of `strategy_kwargs` (a dict of keyword arguments, or None), else raises.
+
+  The keywords must be arguments of the workers' strategy, which `num_ps` decides
+  (`run_on_workers` runs `ParameterServerStrategy` with PS tasks only,
+  `MultiWorkerMirroredStrategy` without them only): else each worker would raise
+  `TypeError` once its process started.
+  """
   if strategy_kwargs is None:
     return {}
   if not isinstance(strategy_kwargs, dict) or not all(
@@ -150,6 +158,17 @@ def _check_strategy_kwargs(strategy_kwargs):
         f"strategy_kwargs cannot set {', '.join(taken)}: LocalCluster gives each worker's "
         "strategy the cluster's spec and the worker's own task. Received: "
         f"strategy_kwargs={strategy_kwargs!r}. Leave them out.")
+  strategy = (strategies.ParameterServerStrategy if num_ps else
+              strategies.MultiWorkerMirroredStrategy)
+  takes = [name for name in inspect.signature(strategy).parameters
+           if name not in _CLUSTER_SET_KWARGS]
+  unknown = [key for key in strategy_kwargs if key not in takes]
+  if unknown:
+    which = "with" if num_ps else "without"
+    raise TypeError(
+        f"strategy_kwargs has {', '.join(unknown)}, which {strategy.__name__} does not "
+        f"take (the strategy of a cluster {which} PS tasks). It takes {', '.join(takes)}. "
+        f"Received: strategy_kwargs={strategy_kwargs!r}.")
   return dict(strategy_kwargs)
 
 
@@ -329,7 +348,9 @@ class LocalCluster:
     num_workers: number of worker tasks.
     strategy_kwargs: extra arguments of each worker's strategy, such as
       {"step_timeout": 10, "variable_placement": "round_robin"} (not `cluster_spec`,
-      `task_type` or `task_id`, which the cluster sets).
+      `task_type` or `task_id`, which the cluster sets). The strategy is
+      `ParameterServerStrategy` with PS tasks, else `MultiWorkerMirroredStrategy`; a
+      keyword it does not take raises `TypeError` here.
     cpus_per_worker: on machines without GPUs, split each worker process's CPU into this
       many logical devices (its towers), a positive int; None leaves TensorFlow's
       default (one).
@@ -386,7 +407,7 @@ class LocalCluster:
     self.num_ps = int(num_ps)
     self._cpus_per_worker = None if cpus_per_worker is None else int(cpus_per_worker)
     self.num_workers = int(num_workers)
-    self._strategy_kwargs = _check_strategy_kwargs(strategy_kwargs)
+    self._strategy_kwargs = _check_strategy_kwargs(strategy_kwargs, self.num_ps)
     self._start_timeout = _arguments.seconds("start_timeout", start_timeout,
                                              allow_none=False)
     self._result_timeout = _arguments.seconds("result_timeout", result_timeout,
