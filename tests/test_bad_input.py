@@ -203,6 +203,11 @@ def _ps(spec, **kwargs):
     ({"ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:2"]}, {},
      r"Received: '127.0.0.1:2' for both /job:ps/replica:0/task:0 and "
      r"/job:worker/replica:0/task:0"),
+    # Host names are case-insensitive and "02" is port 2: one address, spelled twice.
+    ({"ps": ["LocalHost:2"], "worker": ["localhost:02"]}, {},
+     r"Each task of cluster_spec needs its own address: two tasks cannot listen on one port. "
+     r"Received: 'LocalHost:2' for /job:ps/replica:0/task:0 and 'localhost:02' for "
+     r"/job:worker/replica:0/task:0, one address spelled twice"),
     ({"ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:1"]}, {"task_id": True},
      r"task_id must be an index into cluster_spec\['worker'\], from 0 to 0. Received: "
      r"task_id=True"),

@@ -57,18 +57,29 @@ def _check_address(job, address):
         f"{'' if isinstance(address, str) else f' ({type(address).__name__})'}")
 
 
+def _address_key(address):
+  """A checked 'host:port' as (host, port) that compares equal for one address: host
+  names are case-insensitive, and "02" is port 2."""
+  host, _, port = address.rpartition(":")
+  return host.lower(), int(port)
+
+
 def _check_unique_addresses(spec):
   """Raises ValueError if two tasks of `spec` share an address (they would share a port)."""
   seen = {}
   for job, addresses in spec.items():
     for i, address in enumerate(addresses):
       task = f"/job:{job}/replica:0/task:{i}"
-      if address in seen:
+      key = _address_key(address)
+      if key in seen:
+        first, first_task = seen[key]
+        received = (f"{address!r} for both {first_task} and {task}" if first == address else
+                    f"{first!r} for {first_task} and {address!r} for {task}, one address "
+                    "spelled twice")
         raise ValueError(
             f"Each task of cluster_spec needs its own address: two tasks cannot listen on "
-            f"one port. Received: {address!r} for both {seen[address]} and {task}. Give "
-            "each task its own port.")
-      seen[address] = task
+            f"one port. Received: {received}. Give each task its own port.")
+      seen[key] = (address, task)
 
 
 def normalize_cluster_spec(cluster_spec, task_type, task_id, role="parameter_server"):
