@@ -579,6 +579,27 @@ def test_keras_output_loss_trackers():
   assert all(isinstance(t, keras.metrics.Mean) for t in trackers)
 
 
+def test_keras_compile_loss():
+  inputs = keras.Input((3,))
+  model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+  assert _tf_internal.keras_compile_loss(model) is None  # Not compiled.
+  model.compile(optimizer="sgd", loss="mse")
+  compile_loss = _tf_internal.keras_compile_loss(model)
+  y_true = np.zeros((2, 1), np.float32)
+  y_pred = np.ones((2, 1), np.float32)
+  called = []
+
+  def call(*args, **kwargs):
+    called.append(args)
+    return type(compile_loss).call(compile_loss, *args, **kwargs)
+
+  object.__setattr__(compile_loss, "call", call)  # What diststrat's routing sets.
+  loss = model.compute_loss(y=y_true, y_pred=y_pred)
+  assert called and float(loss) == 1.0, _broke(
+      "keras_compile_loss", f"Keras {keras.__version__}: compute_loss did not call the "
+      f"model's _compile_loss through its instance's call ({called!r}, {loss!r})")
+
+
 def test_keras_fit_callbacks():
   assert _tf_internal.keras_fit_callbacks() is None  # Outside fit.
   # The bridge asks while fit distributes its dataset: check from there.

@@ -214,6 +214,43 @@ def route_loss_tracker(tracker, adapter):
   _routed_trackers[tracker] = adapter
 
 
+# Keras CompileLoss -> its StrategyAdapter
+_routed_compile_losses: "weakref.WeakKeyDictionary[Any, StrategyAdapter]" = \
+    weakref.WeakKeyDictionary()
+
+
+def route_compile_loss(compile_loss, adapter):
+  """Makes a model's compiled loss a scalar in an eager tower given no example.
+
+  On a part with no example (`run_eagerly=True`, a batch smaller than the number of
+  towers), Keras's loss reduction returns the empty vector of per-example losses as it
+  is, and Keras's `compute_loss` then fails to add it to the model's other losses
+  (regularizers, `add_loss`): `InvalidArgumentError` "Shapes of all inputs must match".
+  Such a tower's loss is its sum, 0: it adds nothing (its gradients are zeros, its
+  tracker update is skipped), as on one device, which never sees the empty part.
+
+  The instance's `call` attribute is set (once per compiled loss); Keras's classes are
+  not changed.
+  """
+  if _routed_compile_losses.get(compile_loss) is adapter:
+    return
+  loss_ref = weakref.ref(compile_loss)
+
+  def call(y_true, y_pred, sample_weight=None):
+    loss = type(loss_ref()).call(loss_ref(), y_true, y_pred, sample_weight)
+    tower = _context.get_tower_context()
+    if tower is None or tower.distribution_strategy is not adapter.diststrat_strategy \
+        or tower.batch_share is None:
+      return loss
+    if isinstance(loss, tf.Tensor) and loss.shape.rank and loss.shape.num_elements() == 0:
+      return tf.reduce_sum(loss)
+    return loss
+
+  # Plain instance attribute: Keras's own __setattr__ would try to track it.
+  object.__setattr__(compile_loss, "call", call)
+  _routed_compile_losses[compile_loss] = adapter
+
+
 class SummedGradientsContext:
   """What `tf.distribute.get_replica_context()` returns while a Keras optimizer applies the
   gradients summed over the towers, once, in cross-tower context.
@@ -477,6 +514,9 @@ def route_step(adapter, fn):
     tracker = _tf_internal.keras_loss_tracker(model)
     if tracker is not None:
       route_loss_tracker(tracker, adapter)
+    compile_loss = _tf_internal.keras_compile_loss(model)
+    if compile_loss is not None:
+      route_compile_loss(compile_loss, adapter)
 
 
 def split_step_inputs(strategy, args, kwargs):

@@ -80,6 +80,7 @@ from diststrat._tf_internal._keras import keras_model_strategy as keras_model_st
 from diststrat._tf_internal._keras import keras_model_on_stack as keras_model_on_stack
 from diststrat._tf_internal._keras import keras_optimizer_being_created as keras_optimizer_being_created
 from diststrat._tf_internal._keras import keras_loss_tracker as keras_loss_tracker
+from diststrat._tf_internal._keras import keras_compile_loss as keras_compile_loss
 from diststrat._tf_internal._keras import keras_output_loss_trackers as keras_output_loss_trackers
 from diststrat._tf_internal._keras import keras_variable_origin as keras_variable_origin
 from diststrat._tf_internal._keras import keras_assign_increment as keras_assign_increment
@@ -165,6 +166,7 @@ __all__ = [
     "keras_optimizer_being_created",
     "keras_output_loss_trackers",
     "keras_loss_tracker",
+    "keras_compile_loss",
     "keras_variable_origin", "keras_assign_increment", "keras_fit_callbacks", "set_keras_backup_dir",
     "restore_keras_backup_dir", "keras_epoch_iterator_dataset", "wrap_keras_symbolic_build",
     # the distribution-mode stack

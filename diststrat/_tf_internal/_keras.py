@@ -4,7 +4,8 @@
   (`keras_backing_variable`); a Keras optimizer keeps the tf.distribute strategy it was
   created under in `_distribution_strategy` (`keras_optimizer_strategy`).
 - A compiled model's per-output loss trackers live on its `_compile_loss`
-  (`keras_output_loss_trackers`).
+  (`keras_output_loss_trackers`), which is also the loss `compile` was given
+  (`keras_compile_loss`).
 - Whether Keras's trainer or loss module is the caller (`called_by_keras_trainer`,
   `called_by_keras_loss`).
 - The dataset of `fit`'s and `evaluate`'s epoch iterator
@@ -236,6 +237,16 @@ def keras_output_loss_trackers(model):
   """
   compile_loss = getattr(model, "_compile_loss", None)
   return list(getattr(compile_loss, "metrics", None) or [])
+
+
+def keras_compile_loss(model):
+  """The `CompileLoss` a Keras 3 model computes its compiled loss with, or None.
+
+  Keras's trainer calls the model's `_compile_loss` (built from `compile`'s `loss`, None
+  before `compile`) in `compute_loss`; no public accessor returns it. Calling it calls
+  its `call` method, looked up on the instance.
+  """
+  return getattr(model, "_compile_loss", None)
 
 
 def keras_loss_tracker(model):
