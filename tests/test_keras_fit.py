@@ -344,19 +344,34 @@ def test_sparse_inputs_say_what_to_do():
     model.predict(tf.data.Dataset.from_tensors(sparse), verbose=0)
 
 
-@pytest.mark.parametrize("run_eagerly", [False, True])
-def test_a_batch_smaller_than_the_tower_count_trains_like_one_device(run_eagerly):
+class _MeanSquareLoss(keras.layers.Layer):
+  """Adds 0.1 times the mean square of its input to the model's losses."""
+
+  def call(self, x):
+    self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+    return x
+
+
+@pytest.mark.parametrize("run_eagerly,more_losses", [(False, False), (True, False), (True, True)],
+                         ids=["compiled", "eager", "eager, regularizers and add_loss"])
+def test_a_batch_smaller_than_the_tower_count_trains_like_one_device(run_eagerly, more_losses):
   """Batches of 2 (fit), 3 (evaluate) and 1 (predict) over 4 towers: the empty towers
-  add nothing to the loss (their loss is an empty tensor; Keras's Mean would add nan)."""
+  add nothing to the loss (their loss is an empty tensor; Keras's Mean would add nan).
+  With a kernel and an activity regularizer and an `add_loss`, an empty eager tower's
+  compiled loss (an empty vector) is added to those losses: it raised
+  InvalidArgumentError "Shapes of all inputs must match"."""
   rng = np.random.default_rng(0)
   x = rng.normal(size=(6, 5)).astype(np.float32)
   y = rng.normal(size=(6, 1)).astype(np.float32)
+  extra = ({"kernel_regularizer": keras.regularizers.L2(0.1), "activity_regularizer": "l2"}
+           if more_losses else {})
 
   def run(strategy):
     with strategy.scope():
       keras.utils.set_random_seed(1)
-      model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
-                                keras.layers.Dense(1)])
+      model = keras.Sequential(
+          [keras.Input((5,)), keras.layers.Dense(4, activation="relu", **extra)]
+          + ([_MeanSquareLoss()] if more_losses else []) + [keras.layers.Dense(1)])
       model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"],
                     run_eagerly=run_eagerly)
     history = model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0).history
@@ -372,45 +387,6 @@ def test_a_batch_smaller_than_the_tower_count_trains_like_one_device(run_eagerly
   for got, want in zip(towers[2], reference[2], strict=True):
     np.testing.assert_allclose(got, want, atol=1e-6)
   np.testing.assert_allclose(towers[3], reference[3], atol=1e-6)
-
-
-class _MeanSquareLoss(keras.layers.Layer):
-  """Adds 0.1 times the mean square of its input to the model's losses."""
-
-  def call(self, x):
-    self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
-    return x
-
-
-def test_an_empty_eager_tower_of_a_model_with_regularization_losses_adds_nothing():
-  """run_eagerly=True, batches of 2 (fit) and 3 and 1 (evaluate) over 4 towers, a model with
-  a kernel and an activity regularizer and an `add_loss`: an empty tower's compiled loss
-  (an empty vector) is added to those losses (it raised InvalidArgumentError "Shapes of
-  all inputs must match")."""
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(4, 5)).astype(np.float32)
-  y = rng.normal(size=(4, 1)).astype(np.float32)
-
-  def run(strategy):
-    with strategy.scope():
-      keras.utils.set_random_seed(1)
-      model = keras.Sequential([
-          keras.Input((5,)),
-          keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(0.1),
-                             activity_regularizer="l2"),
-          _MeanSquareLoss(), keras.layers.Dense(1)])
-      model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"], run_eagerly=True)
-    history = model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0).history
-    evaluated = model.evaluate(x, y, batch_size=3, verbose=0, return_dict=True)
-    return history, evaluated, [w.numpy() for w in model.weights]
-
-  reference = run(ds.DefaultStrategy())
-  towers = run(ds.MirroredStrategy(CPUS))
-  for key in ("loss", "mae"):
-    np.testing.assert_allclose(towers[0][key], reference[0][key], rtol=1e-5)
-    np.testing.assert_allclose(towers[1][key], reference[1][key], rtol=1e-5)
-  for got, want in zip(towers[2], reference[2], strict=True):
-    np.testing.assert_allclose(got, want, atol=1e-6)
 
 
 @pytest.mark.parametrize("run_eagerly", [False, True])

@@ -17,15 +17,19 @@ else:
   _MixinBase = object
 
 
-def _strategy_of(pairs):
-  """The strategy whose distributed variables `pairs` trains, or None for plain variables.
+def _strategy_of(grads_and_vars):
+  """The strategy whose distributed variables `grads_and_vars` trains, or None for plain
+  variables. Items that are not (gradient, variable) pairs are left to the check of the
+  path taken, which raises for them.
 
   Raises:
     ValueError: the variables belong to several strategies.
   """
   owners = []
-  for _, var in pairs:
-    owner = _optimizer.state_owner(var)
+  for item in grads_and_vars:
+    if not isinstance(item, (tuple, list)) or len(item) != 2 or item[0] is None:
+      continue
+    owner = _optimizer.state_owner(item[1])
     strategy = getattr(owner, "distribution_strategy", None) \
         if isinstance(owner, _wrapped.DistributedValues) else None
     if strategy is not None and all(strategy is not o for o in owners):
@@ -86,7 +90,7 @@ class DistributedOptimizerMixin(_MixinBase):
     """
     grads_and_vars = list(grads_and_vars)
     if not _context.has_distribution_strategy():
-      owner = _strategy_of(self._check_pairs(grads_and_vars))
+      owner = _strategy_of(grads_and_vars)
       if owner is None:
         return super().apply_gradients(grads_and_vars, global_step=global_step, name=name)
       # Variables of a strategy, outside its scope: each gradient is one value for every
