@@ -429,6 +429,35 @@ def test_serve_on_a_taken_port_names_the_task_and_the_port(monkeypatch):
   assert info.value.task == "/job:ps/replica:0/task:0"
 
 
+def test_a_probe_of_a_worker_that_connects_to_itself_is_not_an_answer(monkeypatch):
+  """A parameter server looks four times a second at its workers' addresses, in the
+  kernel's range of ephemeral ports; a connection to such a port where nothing listens
+  can get that very port as its own and connect to itself (about 1 ask in 14,000 here).
+  The PS took that for a worker that started, and stopped 2 s later while its workers
+  were still starting, which then failed with "Connection refused" (CI, 2026-11-28)."""
+  from diststrat.cluster import _serve  # pylint: disable=g-import-not-at-top
+  with socket.create_server(("127.0.0.1", 0)) as listening:
+    assert _serve._worker_answers(f"127.0.0.1:{listening.getsockname()[1]}")
+  with socket.socket() as closed:
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+  assert not _serve._worker_answers(f"127.0.0.1:{port}")
+
+  asked = []
+
+  def connects_to_itself(address, timeout):
+    asked.append((address, timeout))
+    sock = socket.socket()
+    sock.bind(address)  # What the kernel does when it picks the port it connects to.
+    sock.connect(address)
+    assert sock.getsockname() == sock.getpeername()
+    return sock
+
+  monkeypatch.setattr(_serve.socket, "create_connection", connects_to_itself)
+  assert not _serve._worker_answers(f"127.0.0.1:{port}")
+  assert asked == [(("127.0.0.1", port), _serve._CONNECT_TIMEOUT)]
+
+
 def _run_tasks(script, environs, cwd, timeout=JOB_TIMEOUT):
   """Starts one process of `script` per environment at once (as srun does); waits."""
   marker = uuid.uuid4().hex
@@ -478,6 +507,9 @@ def test_a_slurm_step_runs_parameter_server_strategy_and_serve(tmp_path):
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     ps, workers = processes[0], processes[1:]
     outputs = [w.communicate(timeout=JOB_TIMEOUT)[0] for w in workers]
+    if [w.returncode for w in workers] != [0, 0]:
+      ps.kill()
+      outputs.append("the parameter server's output:\n" + ps.communicate(timeout=30)[0])
     assert [w.returncode for w in workers] == [0, 0], outputs
     ps_output = ps.communicate(timeout=30)[0]  # 2 s after the last worker, and a margin.
     assert ps.returncode == 0, ps_output

@@ -1232,8 +1232,8 @@ class _ServerProcess:
                                     stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-      with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", port)) == 0:
+      with socket.socket() as s:  # Not a connection to itself (see _serve._worker_answers).
+        if s.connect_ex(("127.0.0.1", port)) == 0 and s.getsockname() != s.getpeername():
           return
       time.sleep(0.2)
     self.stop()
