@@ -339,10 +339,12 @@ class DistributionStrategy:
     value = _as_saved(value)
     if not _wrapped.is_structure(value):
       _arguments.check_reducible("reduce", value, _wrapped.DistributedValues)
+      self._check_per_tower_devices("reduce", value)
       return self._reduce(aggregation, value, destinations)
     leaves = _wrapped.flatten(value)
     for leaf in leaves:
       _arguments.check_reducible("reduce", leaf, _wrapped.DistributedValues)
+    self._check_per_tower_devices("reduce", leaves)
     reduced = self._batch_reduce(aggregation, [(leaf, destinations) for leaf in leaves]) \
         if leaves else []
     return _wrapped.pack_as(value, reduced)
@@ -365,6 +367,7 @@ class DistributionStrategy:
       leaves = _wrapped.flatten(pair[0]) if _wrapped.is_structure(pair[0]) else [pair[0]]
       for leaf in leaves:
         _arguments.check_reducible("batch_reduce", leaf, _wrapped.DistributedValues)
+      self._check_per_tower_devices("batch_reduce", leaves)
       values.append((pair[0], len(leaves)))
       pairs.extend((leaf, destinations) for leaf in leaves)
     reduced = self._batch_reduce(aggregation, pairs) if pairs else []
@@ -552,6 +555,22 @@ class DistributionStrategy:
       return value
     wrap = _wrapped.Mirrored if isinstance(value, _wrapped.Mirrored) else _wrapped.PerDevice
     return wrap({device: value.get(device) for device in workers})
+
+  def _check_per_tower_devices(self, method, value):
+    """Raises `ValueError` if a `PerDevice` in `value` is not over the towers' devices."""
+    if self._is_default():
+      return  # One tower, wherever the caller runs: any value is its value.
+    try:
+      towers = self._worker_devices()
+    except NotImplementedError:
+      return  # A strategy that names no devices cannot be checked.
+    leaf = _wrapped.per_device_off(value, towers)
+    if leaf is not None:
+      raise ValueError(
+          f"{method}() of {self!r} got a PerDevice over {list(leaf.devices)}, but its "
+          f"towers are on {list(towers)}. A per-tower value has one component per tower, "
+          "on the towers' devices: reduce what this strategy's call_for_each_tower "
+          "returned (a value of another strategy is reduced by that strategy).")
 
   def _cross_tower_guard(self, method_name):
     """Returns a context manager in which `method_name` may run, or raises."""

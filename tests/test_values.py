@@ -1,6 +1,8 @@
 """Wrapped values, regroup and select_device (docs/concepts.md, "Wrapped values")."""
 
 import collections
+import functools
+import re
 import types
 import typing
 
@@ -311,3 +313,30 @@ def test_errors_of_wrapped_values_and_device_names_keep_their_message_in_a_tf_fu
     with pytest.raises(ValueError) as traced:
       tf.function(fn)()
     assert str(traced.value) == str(eager.value), fn.__name__
+
+
+def _constants(devices, values):
+  return PerDevice({d: tf.constant(v) for d, v in zip(devices, values, strict=True)})
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_reduce_refuses_a_per_device_that_is_not_over_the_towers(traced):
+  """A PerDevice over 3 devices on 2 towers, over another strategy's devices, or over one
+  of the two was summed as it was (7.0, 3.0, 1.0)."""
+  s = ds.MirroredStrategy(CPUS[:2])
+  towers = re.escape(str(list(s.worker_devices)))
+  cases = [_constants(CPUS[:3], [1.0, 2.0, 4.0]), _constants(CPUS[2:], [1.0, 2.0]),
+           _constants(CPUS[:1], [1.0])]
+  for value in cases:
+    for method, call in [("reduce", lambda v: s.reduce("sum", v)),
+                         ("reduce", lambda v: s.reduce("sum", {"a": [v]})),
+                         ("batch_reduce", lambda v: s.batch_reduce("sum", [(v, None)]))]:
+      run = functools.partial(call, value)
+      with s.scope(), pytest.raises(ValueError, match=(
+          rf"^{method}\(\) of MirroredStrategy.* got a PerDevice over "
+          rf"{re.escape(str(list(value.devices)))}, but its towers are on {towers}")):
+        tf.function(run)() if traced else run()
+  # The towers' devices in another order are the towers' values: numpy's sum.
+  with s.scope():
+    total = s.reduce("sum", _constants([CPUS[1], CPUS[0]], [2.0, 1.0]))
+  assert [float(t) for t in total.values] == [np.sum([1.0, 2.0])] * 2

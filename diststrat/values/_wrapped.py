@@ -356,6 +356,21 @@ def flatten(structure):
   return [structure]
 
 
+def per_device_off(structure: Any, devices: Sequence[str]) -> Any:
+  """The first `PerDevice` leaf of `structure` (not a variable) whose devices are not
+  `devices` (in any order), or None.
+
+  A per-tower value stands for one value per tower: one over other devices, or over more
+  or fewer of them, is some other strategy's, and its components cannot be the towers'.
+  """
+  wanted = set(devices)
+  for leaf in flatten(structure):
+    if (isinstance(leaf, PerDevice) and not isinstance(leaf, tf.Variable)
+        and set(leaf.devices) != wanted):
+      return leaf
+  return None
+
+
 def pack_as(structure, leaves):
   """`structure` with its leaves replaced, in order, by `leaves` (the inverse of `flatten`).
 
