@@ -334,8 +334,8 @@ def test_a_per_device_argument_missing_a_tower_device_names_the_call_and_the_fix
   x = ds.values.PerDevice({CPUS[0]: tf.constant(1.0), CPUS[2]: tf.constant(2.0)})
   step = lambda: s.call_for_each_tower(lambda v: v + 1.0, x)  # noqa: E731
   with pytest.raises(ValueError, match=r"An argument of call_for_each_tower\(\) is a "
-                     r"wrapped value with no component on the tower device .*CPU:1.*needs "
-                     r"a component on every tower's device"):
+                     r"PerDevice over .*CPU:0.*CPU:2.*, but the towers of .* are on .*CPU:0.*"
+                     r"CPU:1.*Pass a PerDevice with one component per tower device"):
     tf.function(step)() if traced else step()
 
 

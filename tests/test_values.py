@@ -340,3 +340,23 @@ def test_reduce_refuses_a_per_device_that_is_not_over_the_towers(traced):
   with s.scope():
     total = s.reduce("sum", _constants([CPUS[1], CPUS[0]], [2.0, 1.0]))
   assert [float(t) for t in total.values] == [np.sum([1.0, 2.0])] * 2
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_call_for_each_tower_refuses_a_per_device_that_is_not_over_the_towers(traced):
+  """A PerDevice over 3 devices on 2 towers ran the towers on the first two components,
+  silently dropping the third; one over other devices or fewer named only the missing
+  tower device."""
+  s = ds.MirroredStrategy(CPUS[:2])
+  towers = re.escape(str(list(s.worker_devices)))
+  for value in (_constants(CPUS[:3], [1.0, 2.0, 4.0]), _constants(CPUS[2:], [1.0, 2.0]),
+                _constants(CPUS[:1], [1.0])):
+    run = functools.partial(s.call_for_each_tower, lambda a: a["x"][0] + 1.0, {"x": [value]})
+    with s.scope(), pytest.raises(ValueError, match=(
+        rf"^An argument of call_for_each_tower\(\) is a PerDevice over "
+        rf"{re.escape(str(list(value.devices)))}, but the towers of .* are on {towers}")):
+      tf.function(run)() if traced else run()
+  # Over the towers' devices, in any order: each tower gets its own component.
+  with s.scope():
+    got = s.call_for_each_tower(lambda x: x + 1.0, _constants([CPUS[1], CPUS[0]], [2.0, 1.0]))
+  assert [float(t) for t in got.values] == list(np.array([1.0, 2.0]) + 1.0)

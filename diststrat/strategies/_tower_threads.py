@@ -364,6 +364,15 @@ class TowerRunner:
           "there, as tf.distribute requires too. An optimizer's minimize(loss_fn) records "
           "loss_fn on a tape of its own: call minimize in the tower function, with a "
           "loss_fn that computes the tower's loss.")
+    off = _wrapped.per_device_off((args, kwargs), self.devices)
+    if off is not None:
+      raise ValueError(
+          f"An argument of call_for_each_tower() is a PerDevice over {list(off.devices)}, "
+          f"but the towers of {self.strategy!r} are on {list(self.devices)}: each tower "
+          "takes the component on its own device, so a component on another device would "
+          "be ignored and a tower without one would have no argument. Pass a PerDevice "
+          "with one component per tower device (the strategy's worker_devices; "
+          "strategy.distribute_dataset() makes such values).")
     shares = _wrapped.batch_shares((args, kwargs)) or {}
     towers = [_Tower(self, i, d, fn, *self._tower_arguments(d, args, kwargs), shares.get(d))
               for i, d in enumerate(self.devices)]
