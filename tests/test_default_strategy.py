@@ -84,6 +84,37 @@ def test_update_of_a_mirrored_variable_writes_every_copy(s, use_function):
     np.testing.assert_array_equal(copy.numpy(), [11.0, 22.0])
 
 
+@pytest.mark.parametrize("use_function", [False, True])
+def test_update_of_a_tower_local_variable_writes_every_copy_as_its_strategy_does(
+    s, use_function):
+  """A tower-local variable of another strategy was updated on its first copy only (the
+  second kept its old value); it is updated by its strategy, as that strategy's own
+  `update` in its scope does (the reference)."""
+  mirrored = ds.MirroredStrategy(CPUS[:2])
+  with mirrored.scope():
+    v = tf.Variable([1.0, 2.0], synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.SUM)
+    reference = tf.Variable([1.0, 2.0], synchronization=tf.VariableSynchronization.ON_READ,
+                            aggregation=tf.VariableAggregation.SUM)
+  assert isinstance(v, ds.values.TowerLocalVariable)
+  devices = []  # Where fn ran (traced once per copy in a tf.function).
+
+  def add(var, t):
+    devices.append(ds.get_update_device())
+    return var.assign_add(t)
+
+  def step():
+    s.update(v, add, tf.constant([10.0, 20.0]))
+
+  tf.function(step)() if use_function else step()
+  assert devices == list(v.devices)
+  with mirrored.scope():
+    mirrored.update(reference, add, tf.constant([10.0, 20.0]))
+  for copy, expected in zip(v.values, reference.values, strict=True):
+    np.testing.assert_array_equal(copy.numpy(), expected.numpy())
+  np.testing.assert_array_equal(v.values[1].numpy(), [11.0, 22.0])
+
+
 def test_update_non_slot_and_non_slot_devices(s):
   with tf.device("/cpu:1"):
     b = tf.Variable(1.0, name="b_var")

@@ -16,9 +16,9 @@ _INSTANCE = None
 
 
 def _owner_of(var):
-  """The strategy that mirrors `var`, or None (a plain variable, or a tower-local one,
-  whose copies differ on purpose)."""
-  if isinstance(var, _variables.MirroredVariable):
+  """The strategy that made `var` (a mirrored or tower-local variable of a strategy other
+  than the default one), or None (a plain variable)."""
+  if isinstance(var, _variables.DistributedVariable):
     strategy = var.distribution_strategy
     if strategy is not None and not isinstance(strategy, DefaultStrategy):
       return strategy
@@ -87,7 +87,8 @@ class DefaultStrategy(DistributionStrategy):
     owner = _owner_of(var)
     if owner is not None:
       # Another strategy's copies: its update writes each (colocated with the first
-      # copy alone, `fn` would write only that one, and the copies would differ).
+      # copy alone, `fn` would write only that one: a mirrored variable's copies would
+      # differ, and a tower-local one's other copies would keep their old values).
       return owner.update(var, fn, *args, **kwargs)
     return self._run_colocated(var, fn, (var,) + tuple(args), kwargs)
 
