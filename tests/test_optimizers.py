@@ -211,6 +211,38 @@ def test_compute_gradients_scales_mean_loss_and_drops_none():
   assert [float(g) for g in s.unwrap(sums[0][0])] == [4.0] * 4
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_compute_gradients_in_cross_tower_context_does_not_scale_the_loss(traced):
+  """Only a tower's loss is its share of the global batch's: called in cross-tower
+  context, the loss is the global one, and its gradient is one device's and numpy's
+  (it was scaled by 1/num_towers, a quarter of it on 4 towers)."""
+  rng = np.random.default_rng(0)
+  x, y = rng.random((8, 3), np.float32), rng.random((8, 1), np.float32)
+  w0 = rng.random((3, 1), np.float32)
+  expected = 2.0 / len(x) * x.T @ (x @ w0 - y)  # d/dw mean((xw - y)^2)
+  s = ds.MirroredStrategy(CPUS[:4])
+  with s.scope():
+    w = tf.Variable(w0)
+    opt = optimizers.Adam(0.1)
+
+  def grads():
+    loss_fn = lambda: tf.reduce_mean(tf.square(x @ w - y))  # noqa: E731
+    [(g_callable, _)] = opt.compute_gradients(loss_fn, [w])
+    with tf.GradientTape() as tape:
+      loss = loss_fn()
+    [(g_tape, _)] = opt.compute_gradients(loss, [w], tape=tape)
+    return g_callable, g_tape
+
+  with s.scope():
+    got = tf.function(grads)() if traced else grads()
+  one_device_w = tf.Variable(w0)
+  [(one_device, _)] = optimizers.Adam(0.1).compute_gradients(
+      lambda: tf.reduce_mean(tf.square(x @ one_device_w - y)), [one_device_w])
+  for g in got:
+    np.testing.assert_allclose(g.numpy(), one_device.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(g.numpy(), expected, rtol=1e-5)
+
+
 def test_compute_gradients_with_user_tape():
   v = tf.Variable(3.0)
   opt = optimizers.GradientDescent(1.0)
