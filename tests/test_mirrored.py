@@ -6,6 +6,7 @@ Every result is compared against numpy or a single-device computation.
 import ast
 import functools
 import gc
+import logging
 import os
 import threading
 
@@ -563,15 +564,13 @@ def test_tower_timeout_is_bounded():
   assert not _tower_threads.abandoned_tower_threads()
 
 
-def test_a_finished_abandoned_tower_lets_go_of_its_strategy(monkeypatch):
+def test_a_finished_abandoned_tower_lets_go_of_its_strategy():
   """A tower abandoned by a timeout stayed listed after it finished, until someone called
   `abandoned_tower_threads()`: a long-lived process (a notebook whose steps time out or
   are interrupted) kept every such call's strategy, arguments and results. The tower
   leaves the list as it finishes now, as a tower that did not time out does."""
   import weakref  # pylint: disable=g-import-not-at-top
   release = threading.Event()
-  # The warning's record names the strategy, and pytest keeps the test's records.
-  monkeypatch.setattr(_tower_threads.logger, "disabled", True)
 
   def time_out():
     s = ds.MirroredStrategy(CPUS[:2], tower_timeout=0.2)
@@ -594,6 +593,50 @@ def test_a_finished_abandoned_tower_lets_go_of_its_strategy(monkeypatch):
   gc.collect()
   assert (strategy_ref(), result_ref()) == (None, None)
   assert not _tower_threads.abandoned_tower_threads()
+
+
+def test_the_abandoned_tower_warning_kept_by_a_handler_does_not_keep_the_strategy():
+  """The warning passed the strategy as a logging argument: a handler that keeps records
+  (pytest's, a list in a notebook) kept the strategy, and all it holds, alive."""
+  import weakref  # pylint: disable=g-import-not-at-top
+  release = threading.Event()
+
+  class Keep(logging.Handler):
+    def __init__(self):
+      super().__init__(logging.WARNING)
+      self.records = []
+
+    def emit(self, record):
+      self.records.append(record)
+
+  keep = Keep()
+
+  def time_out():
+    s = ds.MirroredStrategy(CPUS[:2], tower_timeout=0.2)
+
+    def fn():
+      if ds.get_tower_context().tower_id == 1:
+        release.wait(10)
+
+    with pytest.raises(ds.errors.TowerTimeoutError):
+      s.call_for_each_tower(fn)
+    return _tower_threads.abandoned_tower_threads(), weakref.ref(s), repr(s)
+
+  _tower_threads.logger.addHandler(keep)
+  try:
+    left, strategy_ref, strategy_repr = time_out()
+  finally:
+    _tower_threads.logger.removeHandler(keep)
+  release.set()
+  for thread in left:
+    thread.join(10)
+  [record] = keep.records
+  assert record.getMessage() == (
+      f"diststrat: tower(s) [1] of {strategy_repr} were still running their code when "
+      "the call failed; their threads finish in the background and stop at their next "
+      "merge_call or return.")
+  gc.collect()
+  assert strategy_ref() is None
 
 
 @pytest.mark.processes

@@ -419,10 +419,12 @@ class TowerRunner:
         tower.left_behind = True
       _abandoned.extend(stuck)
     if stuck:
-      logger.warning(
-          "diststrat: tower(s) %s of %r were still running their code when the call "
-          "failed; their threads finish in the background and stop at their next "
-          "merge_call or return.", [t.tower_id for t in stuck], self.strategy)
+      # Formatted here: a record kept by a handler (pytest's, a list in a notebook) then
+      # holds a string, not the strategy, which it would keep alive.
+      logger.warning("%s", (
+          f"diststrat: tower(s) {[t.tower_id for t in stuck]} of {self.strategy!r} were "
+          "still running their code when the call failed; their threads finish in the "
+          "background and stop at their next merge_call or return."))
 
   def _step(self, tower):
     tower.running = True
