@@ -351,6 +351,41 @@ def test_a_keras_optimizer_created_outside_the_scope_is_refused_in_towers(name, 
   assert int(optimizer.iterations.numpy()) == 0
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_keras_optimizer_of_the_scope_building_outside_it_names_the_build_and_the_fix(
+    mode):
+  """Created in the scope, not built, first applied outside it: the ContextError named
+  `colocate_vars_with()`, Keras's internal call. The fix it names (build in the scope,
+  apply anywhere) gives one device's weights, every copy equal."""
+  strategy = ds.MirroredStrategy(CPUS[:2])
+  with strategy.scope():
+    model = _small_model()
+    optimizer = keras.optimizers.Adam(0.1)
+
+  def apply_to(opt, variables):
+    opt.apply_gradients(zip([tf.ones_like(v) for v in variables], variables, strict=True))
+
+  apply = _in_mode(lambda opt: apply_to(opt, model.trainable_variables), mode)
+  before = model.get_weights()
+  with pytest.raises(ds.errors.ContextError, match=(
+      r"^A Keras optimizer created in the scope of MirroredStrategy.* is creating its "
+      r"variables \(its state for '.*kernel.*'\) in the default tower context \(no "
+      r"strategy entered\), outside that scope: .* Build the optimizer inside "
+      r"`with strategy.scope\(\):` \(optimizer.build\(model.trainable_variables\)\), or "
+      r"make its first apply_gradients\(\) there.$")):
+    apply(optimizer)
+  for got, expected in zip(model.get_weights(), before, strict=True):
+    np.testing.assert_array_equal(got, expected)
+  with strategy.scope():
+    built = keras.optimizers.Adam(0.1)
+    built.build(model.trainable_variables)
+  apply(built)
+  one_device = _small_model(before)
+  apply_to(keras.optimizers.Adam(0.1), one_device.trainable_variables)
+  assert_all_close(model.get_weights(), one_device.get_weights())
+  assert_copies_equal(model.weights)
+
+
 def _ds_custom_loop(strategy, mode, batch, global_step=False):
   x, y = _regression_data(batch, seed=1)
   with strategy.scope():

@@ -498,6 +498,7 @@ class ExtendedAdapter:
   @errors.keeps_errors_in_tf_function
   def colocate_vars_with(self, var):
     _model_checks.check_used_outside(self._adapter(), var, "colocate_vars_with()")
+    _model_checks.check_building_inside(self._adapter(), var)
     return self._ds.colocate_vars_with(var)
 
   def _adapter(self):

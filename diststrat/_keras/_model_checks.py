@@ -80,6 +80,23 @@ def check_used_outside(adapter, var, what):
       "`with strategy.scope():` too, or create the optimizer outside any strategy.")
 
 
+def check_building_inside(adapter, var):
+  """Refuses a Keras optimizer of `adapter`'s strategy making its variables (slots for
+  `var`, which Keras colocates with `var`) outside the strategy's scope: an optimizer
+  created in the scope, not built, applied first outside it. Keras's own call,
+  `colocate_vars_with()`, would otherwise be the one named, which the user never made."""
+  strategy = adapter.diststrat_strategy
+  if _context.get_distribution_strategy() is strategy:
+    return
+  raise errors.ContextError(
+      f"A Keras optimizer created in the scope of {strategy!r} is creating its variables "
+      f"(its state for {getattr(var, 'name', var)!r}) in "
+      f"{_context.describe_current_context()}, outside that scope: it builds them on its "
+      "first apply, and they must be the strategy's. Build the optimizer inside "
+      "`with strategy.scope():` (optimizer.build(model.trainable_variables)), or make "
+      "its first apply_gradients() there.")
+
+
 def check_no_other_strategy(strategy, what):
   """Raises when a diststrat strategy other than `strategy` has its context current.
 
