@@ -89,6 +89,30 @@ def test_batch_normalization_moving_statistics(name, synchronized, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_keras_variable_given_one_tensor_by_every_tower_gets_one_devices_value(mode):
+  """Towers writing the same tensor object (one made outside the towers) to a Keras
+  variable merged only tower 0's weighted part: `assign(five)` on 2 towers gave 2.5."""
+  five = tf.constant([5.0, 5.0, 5.0])
+  reference = keras.layers.BatchNormalization()
+  reference.build((None, 3))
+  reference.moving_mean.assign(five)
+  reference.moving_mean.assign_add(five)
+  strategy = ds.MirroredStrategy(CPUS[:2])
+  with strategy.scope():
+    bn = keras.layers.BatchNormalization()
+    bn.build((None, 3))
+
+  def write():
+    bn.moving_mean.assign(five)
+    bn.moving_mean.assign_add(five)
+
+  with strategy.scope():
+    _in_mode(lambda: strategy.call_for_each_tower(write), mode)()
+  assert_copies_equal([bn.moving_mean])
+  np.testing.assert_array_equal(bn.moving_mean.numpy(), reference.moving_mean.numpy())
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["mirrored4", "ps4"])
 def test_dropout_masks_differ_across_towers(name, mode):
   calls = 3

@@ -683,11 +683,13 @@ class MirroredVariable(DistributedVariable):
     def merge_fn(strategy, value, weight):
       parts = strategy.unwrap(value)
       if floating:
+        devices = strategy.worker_devices
+        # One component when every tower gave the same tensor (or weight): each tower's.
+        parts = parts * len(devices) if len(parts) == 1 else parts
         weights = strategy.unwrap(weight)
-        weights = weights * len(parts) if len(weights) == 1 else weights
+        weights = weights * len(devices) if len(weights) == 1 else weights
         weighted = {}
-        # strict=False: `parts` has one component when every tower gave the same tensor.
-        for device, part, w in zip(strategy.worker_devices, parts, weights, strict=False):
+        for device, part, w in zip(devices, parts, weights, strict=True):
           with tf.device(device):
             # multiply_no_nan: a tower that got no example weighs 0 and may hold NaN.
             weighted[device] = tf.math.multiply_no_nan(part, w)
