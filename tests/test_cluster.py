@@ -1131,6 +1131,10 @@ def test_cluster_module_is_public():
 
 
 READ_CACHE_MODELS = {"mlp": cases.MLP, "keras_dense": cases.KerasDense}
+# Adam alone: its slots are PS variables too, read and written beside the weights; plain
+# gradient descent adds no path of its own (tests/test_read_cache.py runs both, in one
+# process, with the same checks).
+READ_CACHE_OPTIMIZERS = ["adam"]
 READ_CACHE_CASES = [cases.case_auto_watch, cases.case_keras_layer, cases.case_write_then_read,
                     cases.case_read_after_merge_call, cases.case_forward_accumulator]
 
@@ -1146,7 +1150,7 @@ def _read_cache_fn(strategy):
   for cached in (False, True):
     strategy.cache_reads = cached
     for model, model_class in READ_CACHE_MODELS.items():
-      for optimizer in sorted(cases.OPTIMIZERS):
+      for optimizer in READ_CACHE_OPTIMIZERS:
         for mode in ("eager", "function"):
           key = (model, optimizer, mode, cached)
           out["weights"][key], step, args = cases.train(strategy, model_class, optimizer, mode)
@@ -1173,7 +1177,7 @@ def test_reads_are_cached_per_step_with_the_same_training():
   reference = ds.ParameterServerStrategy(worker_devices=["/cpu:0", "/cpu:1"],
                                          ps_devices=["/cpu:3"])
   for model, model_class in READ_CACHE_MODELS.items():
-    for optimizer in sorted(cases.OPTIMIZERS):
+    for optimizer in READ_CACHE_OPTIMIZERS:
       for mode in ("eager", "function"):
         key = (model, optimizer, mode)
         expected = cases.train(reference, model_class, optimizer, mode)[0]
