@@ -119,3 +119,31 @@ def test_a_dropped_guard_is_freed_and_its_helper_thread_ends():
   assert freed() is None
   helper.join(10)
   assert not helper.is_alive()
+
+
+def test_a_cancelled_part_of_a_step_is_a_fault_only_when_a_task_is_found_faulty():
+  # A function with parts on two parameter servers, one of which restarted: TensorFlow
+  # cancels the healthy part when the other fails, and the caller may get that part's
+  # CancelledError first. It escaped raw (seen under load in test_cluster.py's
+  # kill-and-restart test, before reconnect()); the guard now asks the tasks, and a
+  # cancellation with every task answering stays the caller's own error.
+  cancelled = tf.errors.CancelledError(
+      None, None, f"RunComponentFunction: {PS8}: CANCELLED: Function was cancelled")
+
+  def restarted_probe(task):
+    raise tf.errors.InvalidArgumentError(
+        None, None, "Unable to find a context_id matching the specified one (7). Perhaps "
+        "the worker was restarted, or the context was GC'd?")
+
+  def failing():
+    raise cancelled
+
+  guard = _watchdog.StepGuard([PS8], probe=restarted_probe, timeout=10, name="guard")
+  with pytest.raises(ClusterError, match=f"task {PS8} restarted since guard connected"):
+    guard.run(failing, "step 1")
+
+  healthy = _watchdog.StepGuard([PS7], probe=lambda task: None, timeout=10, name="guard")
+  with pytest.raises(tf.errors.CancelledError) as info:
+    healthy.run(failing, "step 1")
+  assert info.value is cancelled
+  healthy.check_healthy("a read after it")  # Not recorded as a fault: raises nothing.

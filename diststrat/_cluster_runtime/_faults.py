@@ -77,6 +77,15 @@ def is_cluster_fault(error):
           (isinstance(error, tf.errors.OpError) and error_means_connection_lost(error)))
 
 
+def may_follow_a_fault(error):
+  """Whether `error` may be the echo of a fault elsewhere: TensorFlow cancels the other
+  parts of a function when one part fails on a remote task (a restarted task's "unknown
+  context", a dead one's lost connection), and the caller may get a part's
+  `CancelledError` first. Only probing the tasks tells such an echo from a cancellation
+  of the caller's own."""
+  return isinstance(error, tf.errors.CancelledError)
+
+
 def as_op_error(error):
   """A bare `RuntimeError` whose text says the connection was lost, as `UnavailableError`
   (the type an op's failure would have had); any other error as it is."""

@@ -84,7 +84,7 @@ def translate_error(error):
   """
   if getattr(_thread_state, "raw", False) or not isinstance(error, tf.errors.OpError):
     return error
-  if not _faults.is_cluster_fault(error):
+  if not (_faults.is_cluster_fault(error) or _faults.may_follow_a_fault(error)):
     return error
   guards = list(_live_guards)
   if not guards:
@@ -328,12 +328,19 @@ class StepGuard:
       probe: ask the tasks which one is at fault; else the error's text decides.
       blame: (task, status) already found for `error` (a recorded fault): no asking.
     """
-    if not isinstance(error, tf.errors.OpError) or not _faults.is_cluster_fault(error):
+    if not isinstance(error, tf.errors.OpError):
+      return error
+    # A cancelled component of a function whose other part failed on a task: a fault
+    # only if a task is found faulty (not merely named), else the error stays as it is.
+    cancelled = not _faults.is_cluster_fault(error) and _faults.may_follow_a_fault(error)
+    if not cancelled and not _faults.is_cluster_fault(error):
       return error
     known = self._known_fault(error) if self._known_fault is not None else None
     if known is None and blame is None:
       blame = self._blame(error, probe)
     task, status = known if known is not None else blame
+    if cancelled and (task is None or status in (None, "answers")):
+      return error
     summary = _faults.error_summary(error)
     if status == "answers" or (
         task is None and status is None and self._blame_silent_peers and isinstance(
