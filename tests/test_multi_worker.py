@@ -887,9 +887,11 @@ def test_multi_worker_argument_errors():
   with pytest.raises(ValueError, match=r"collective_timeout must be a positive number of "
                                        r"seconds. Received: collective_timeout=0"):
     ds.MultiWorkerMirroredStrategy(collective_timeout=0)
-  with pytest.raises(ValueError, match="cross_worker_ops must be a diststrat.cross_tower_ops."
-                                       "CrossWorkerAllReduce"):
+  with pytest.raises(TypeError, match="cross_worker_ops must be a diststrat.cross_tower_ops."
+                                      "CrossWorkerAllReduce"):
     ds.MultiWorkerMirroredStrategy(cross_worker_ops=ds.cross_tower_ops.ReductionToOneDevice())
+  with pytest.raises(TypeError, match=r"CrossWorkerAllReduce\('flat'\). Received: 'flat'"):
+    ds.MultiWorkerMirroredStrategy(cross_worker_ops="flat")
   with pytest.raises(ValueError, match="scheme must be one of 'hierarchical', 'flat'"):
     ds.cross_tower_ops.CrossWorkerAllReduce("ring")
   with pytest.raises(ValueError, match=r"bucket_bytes must be a positive integer \(bytes per "

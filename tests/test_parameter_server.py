@@ -58,6 +58,10 @@ def test_callable_placement_and_errors():
   with pytest.raises(ValueError, match="variable_placement must be 'least_loaded', "
                                        "'round_robin' or a callable"):
     _strategy("random")
+  with pytest.raises(TypeError, match="variable_placement must be 'least_loaded', "
+                                      r"'round_robin' or a callable.*Received: "
+                                      r"variable_placement=5 of type int"):
+    _strategy(5)
 
 
 def test_callable_placement_gets_the_name_the_variable_gets():

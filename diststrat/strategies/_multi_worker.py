@@ -75,8 +75,9 @@ class MultiWorkerMirroredStrategy(_cluster_spec.ClusterTaskMixin, _mirrored.Mirr
     if cross_worker_ops is None:
       cross_worker_ops = _cross_worker.CrossWorkerAllReduce(timeout=collective_timeout)
     elif not isinstance(cross_worker_ops, _cross_worker.CrossWorkerAllReduce):
-      raise ValueError("cross_worker_ops must be a diststrat.cross_tower_ops."
-                       f"CrossWorkerAllReduce. Received: {cross_worker_ops!r}")
+      raise TypeError("cross_worker_ops must be a diststrat.cross_tower_ops."
+                      "CrossWorkerAllReduce, such as CrossWorkerAllReduce('flat'). "
+                      f"Received: {cross_worker_ops!r}")
     if config is None:
       self._task_type, self._task_id = task_type, task_id
       self._cluster_spec = None

@@ -46,6 +46,10 @@ def _check_max_bytes(value):
 
 
 def _check_placement(policy):
+  if not callable(policy) and not isinstance(policy, str):
+    raise TypeError("variable_placement must be 'least_loaded', 'round_robin' or a "
+                    "callable (name, shape, dtype) -> device. Received: "
+                    f"variable_placement={policy!r} of type {type(policy).__name__}")
   if not callable(policy) and policy not in _POLICIES:
     raise ValueError("variable_placement must be 'least_loaded', 'round_robin' or a "
                      "callable (name, shape, dtype) -> device. Received: "
