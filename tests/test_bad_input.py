@@ -208,6 +208,11 @@ def _ps(spec, **kwargs):
      r"Each task of cluster_spec needs its own address: two tasks cannot listen on one port. "
      r"Received: 'LocalHost:2' for /job:ps/replica:0/task:0 and 'localhost:02' for "
      r"/job:worker/replica:0/task:0, one address spelled twice"),
+    # Equal only after name resolution: both passed the check and failed at connect.
+    ({"ps": ["localhost:2"], "worker": ["127.0.0.1:2"]}, {},
+     r"Each task of cluster_spec needs its own address: two tasks cannot listen on one port. "
+     r"Received: 'localhost:2' for /job:ps/replica:0/task:0 and '127.0.0.1:2' for "
+     r"/job:worker/replica:0/task:0, one address: both hosts resolve to 127.0.0.1"),
     ({"ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:1"]}, {"task_id": True},
      r"task_id must be an index into cluster_spec\['worker'\], from 0 to 0. Received: "
      r"task_id=True"),
@@ -226,6 +231,38 @@ def _ps(spec, **kwargs):
 def test_bad_cluster_specs_are_refused_before_connecting(spec, kwargs, message):
   with pytest.raises(ValueError, match=message):
     _ps(spec, **kwargs)
+
+
+def test_host_names_that_do_not_resolve_are_left_to_connecting(monkeypatch):
+  # The duplicate check resolves only names that share a port, within a bound; a name
+  # that fails or hangs (a bad DNS) is left out of it, and the spec passes.
+  import socket  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  from diststrat._cluster_runtime import _cluster_spec  # pylint: disable=g-import-not-at-top
+  release, asked = threading.Event(), []
+
+  def getaddrinfo(host, port, type=0):  # pylint: disable=redefined-builtin
+    asked.append(host)
+    if host == "hangs":
+      release.wait(10)
+    if host in ("hangs", "fails"):
+      raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    return socket.getaddrinfo(host, port, type=type)
+
+  monkeypatch.setattr(_cluster_spec, "socket", types.SimpleNamespace(
+      getaddrinfo=getaddrinfo, SOCK_STREAM=socket.SOCK_STREAM))
+  monkeypatch.setattr(_cluster_spec, "_RESOLVE_TIMEOUT", 0.2)
+  try:
+    spec = {"ps": ["hangs:2", "fails:2"], "worker": ["127.0.0.1:2", "localhost:3"]}
+    assert _cluster_spec.normalize_cluster_spec(spec, "worker", 0) == spec
+    assert sorted(asked) == ["127.0.0.1", "fails", "hangs"]  # Not localhost: port 3.
+    with pytest.raises(ValueError, match=r"'127.0.0.1:4' for /job:worker/replica:0/task:0 "
+                                         r"and 'localhost:4' for /job:worker/replica:0/task:1"):
+      _cluster_spec.normalize_cluster_spec(
+          {"ps": ["hangs:4"], "worker": ["127.0.0.1:4", "localhost:4"]}, "worker", 0)
+  finally:
+    release.set()
 
 
 def test_a_frozen_ps_at_start_from_the_environment_is_reported_within_step_timeout(

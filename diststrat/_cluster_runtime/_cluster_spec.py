@@ -8,6 +8,8 @@ checked here, once, with errors that name what was wrong and where it came from.
 """
 
 import numbers
+import socket
+import threading
 import time
 from typing import Mapping, Optional
 
@@ -80,6 +82,60 @@ def _check_unique_addresses(spec):
             f"Each task of cluster_spec needs its own address: two tasks cannot listen on "
             f"one port. Received: {received}. Give each task its own port.")
       seen[key] = (address, task)
+  _check_resolved_addresses(spec)
+
+
+_RESOLVE_TIMEOUT = 3.0
+"""Seconds all host names of a cluster spec may take to resolve (a bad DNS can hang)."""
+
+
+def _resolve_hosts(hosts, timeout):
+  """{host: set of IP addresses} for the `hosts` that resolve within `timeout` seconds
+  in all; a name that does not resolve, or not in time, is left out."""
+  found = {}
+
+  def resolve(host):
+    try:
+      infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+      return
+    found[host] = {str(info[4][0]) for info in infos}
+
+  threads = [threading.Thread(target=resolve, args=(host,), daemon=True,
+                              name="diststrat-resolve-host") for host in hosts]
+  for thread in threads:
+    thread.start()
+  deadline = time.monotonic() + timeout
+  for thread in threads:  # A thread that outlives this ends when getaddrinfo returns.
+    thread.join(max(0.0, deadline - time.monotonic()))
+  return dict(found)
+
+
+def _check_resolved_addresses(spec):
+  """Raises ValueError if two tasks give one port on host names that resolve to a shared
+  address ('localhost:2222' and '127.0.0.1:2222'). Only names that share a port are
+  resolved; a name that does not resolve is left to the errors of connecting."""
+  by_port = {}
+  for job, addresses in spec.items():
+    for i, address in enumerate(addresses):
+      host, port = _address_key(address)
+      by_port.setdefault(port, []).append((host.strip("[]"), address,
+                                           f"/job:{job}/replica:0/task:{i}"))
+  shared = [tasks for tasks in by_port.values() if len(tasks) > 1]
+  if not shared:
+    return
+  resolved = _resolve_hosts(sorted({t[0] for tasks in shared for t in tasks}),
+                            _RESOLVE_TIMEOUT)
+  for tasks in shared:
+    for i, (host_a, address_a, task_a) in enumerate(tasks):
+      for host_b, address_b, task_b in tasks[i + 1:]:
+        common = sorted(resolved.get(host_a, set()) & resolved.get(host_b, set()))
+        if common:
+          raise ValueError(
+              "Each task of cluster_spec needs its own address: two tasks cannot listen "
+              f"on one port. Received: {address_a!r} for {task_a} and {address_b!r} for "
+              f"{task_b}, one address: both hosts resolve to {', '.join(common)}. Give "
+              "each task its own port.")
 
 
 def normalize_cluster_spec(cluster_spec, task_type, task_id, role="parameter_server"):
