@@ -90,12 +90,6 @@ class CrossTowerOps:
     """Advice added to the message of an error raised while the launched work runs."""
     return ""
 
-  def _explain_failure(self, kind, items, error):
-    """What `error` (raised while the launched `kind` of `items` ran) means, said before
-    TensorFlow's message; empty when the algorithm cannot tell."""
-    del kind, items, error
-    return ""
-
   # The sum and the mean of a value held on one device are that value: true unless the
   # algorithm also reduces across values this process does not hold (other workers').
   _one_value_is_the_total = True
@@ -233,8 +227,7 @@ class CrossTowerOps:
     try:
       return self._launcher.launch(kind, aggregation, items)
     except tf.errors.OpError as e:
-      message = (f"{self!r}.{kind}() failed ({type(e).__name__})."
-                 f"{self._explain_failure(kind, items, e)}{self._failure_hint()} "
+      message = (f"{self!r}.{kind}() failed ({type(e).__name__}).{self._failure_hint()} "
                  f"TensorFlow's message: {e.message}")
       raise _with_message(e, message) from e
 

@@ -197,17 +197,6 @@ class CrossWorkerAllReduce(_base.CrossTowerOps):
   def _broadcast(self, tensor, destinations):
     return _base.mirror(tensor, destinations)
 
-  def _explain_failure(self, kind, items, error):
-    if kind == "broadcast" or "Shape mismatch" not in str(error):
-      return ""
-    shapes = ", ".join(str(value.primary.shape) for value, _ in items)
-    return (f" Every worker must {kind} values of the same shapes, in the same order, but "
-            f"TensorFlow's collective found another shape in another worker: this "
-            f"worker's values have shapes {shapes}. A shape read from each worker's own "
-            "data differs (the rows of a ragged last batch): reduce a value of one shape "
-            "everywhere, such as a sum over the rows, or use gather() for rows. After this "
-            "error TensorFlow aborts every later collective: restart every worker process.")
-
   # --- what the strategy calls besides reductions ---
 
   def broadcast_from_chief(self, tensor: tf.Tensor) -> tf.Tensor:
