@@ -811,6 +811,30 @@ def test_a_variable_of_another_shape_in_one_worker_is_named():
     assert "expected shape" in message, message
 
 
+def test_a_reduction_of_another_shape_in_one_worker_names_both_shapes():
+  """A reduction whose shape differs per worker (read from each worker's data) failed
+  with TensorFlow's raw InvalidArgumentError "Shape mismatch in the collective instance".
+  The worker group's error translator (installed for every eager op and tf.function
+  call of a worker) keeps the type and says what differs and the fix. TensorFlow's
+  error, as a worker of 2 got it from `strategy.reduce("sum", tf.ones([3 + task_id]))`,
+  is made here: no cluster needed."""
+  from diststrat._cluster_runtime.multi_worker import _worker_group  # pylint: disable=import-outside-toplevel
+  said = ("Shape mismatch in the collective instance 100000000. Op at device "
+          "/job:worker/replica:0/task:1/device:CPU:0 expected shape [4,2] but another "
+          "member in the group expected shape [3,2]")
+  raw = tf.errors.InvalidArgumentError(None, None, f"Graph execution error:\n\n{said}. This "
+                                       "is likely due to different input shapes")
+  error = _worker_group.translate_error(raw)
+  assert isinstance(error, tf.errors.InvalidArgumentError) and error.__cause__ is raw
+  assert error.message.startswith(
+      "The workers reduced tensors of different shapes in one collective: this worker's "
+      "has shape [4,2] (on /job:worker/replica:0/task:1/device:CPU:0), another worker's "
+      "[3,2]. Every worker must reduce tensors of the same shape, in the same order"), error
+  assert f"TensorFlow said: {said}." in error.message, error
+  other = tf.errors.InvalidArgumentError(None, None, "Incompatible shapes: [3] vs. [4]")
+  assert _worker_group.translate_error(other) is other
+
+
 @pytest.mark.processes
 @pytest.mark.timeout(TIMEOUT)
 def test_the_chief_alone_saves_a_checkpoint_inside_the_scope(tmp_path):

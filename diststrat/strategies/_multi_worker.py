@@ -148,8 +148,11 @@ class MultiWorkerMirroredStrategy(_cluster_spec.ClusterTaskMixin, _mirrored.Mirr
       except (tf.errors.InvalidArgumentError, tf.errors.InternalError) as e:
         # TensorFlow's words for it: "expected shape [4] but another member in the group
         # expected shape [3]", "expected type 0 and data_type 1 but got ... data_type 2".
-        said = next((line.strip() for line in e.message.splitlines() if "expected" in line),
-                    e.message.strip().splitlines()[0] if e.message.strip() else "")
+        # TensorFlow's own error, not the message the worker group gives a collective's
+        # shape mismatch (about reductions).
+        cause = e.__cause__ if isinstance(e.__cause__, tf.errors.OpError) else e
+        said = next((line.strip() for line in cause.message.splitlines() if "expected" in line),
+                    cause.message.strip().splitlines()[0] if cause.message.strip() else "")
         raise ValueError(
             f"Variable {kwargs.get('name')!r} (shape {value.shape}, dtype "
             f"{value.dtype.name}) could not take the chief's initial value: the collective "

@@ -14,7 +14,14 @@ asking every peer whether it is alive (`check_peer_health`, bounded): a dead pee
 refuses, a frozen one does not answer in time, a restarted one is a different task.
 TensorFlow aborts every later collective of a process once one failed, so the message
 says to restart the worker processes and restore the last checkpoint.
+
+A collective whose members have tensors of different shapes (a reduction of a shape
+read from each worker's own data) fails in TensorFlow with `InvalidArgumentError`
+"Shape mismatch in the collective instance ..."; `translate_error` gives it a message
+that names both shapes and the fix, keeping its type.
 """
+
+import re
 
 from diststrat._tf import tf
 from diststrat import _devices
@@ -26,6 +33,9 @@ from diststrat._cluster_runtime import _host_threads
 from diststrat._cluster_runtime import _watchdog
 
 _PROBE_TIMEOUT = 1.0
+_SHAPE_MISMATCH = re.compile(
+    r"Shape mismatch in the collective instance \d+\. Op at device (\S+) expected shape "
+    r"(\[[^\]]*\]) but another member in the group expected shape (\[[^\]]*\])")
 _ADVICE = ("TensorFlow aborts every later collective in a process once one failed: "
            "restart every worker process (with LocalCluster, call run_on_workers again), "
            "then restore the last checkpoint.")
@@ -79,7 +89,7 @@ class WorkerGroup:
                                      advice=_ADVICE, restarted_advice=_ADVICE,
                                      blame_silent_peers=True,
                                      known_fault=self._known_fault)
-    _tf_internal.install_error_translator(_watchdog.translate_error)
+    _tf_internal.install_error_translator(translate_error)
     _tf_internal.set_call_tracker(self.watchdog)
     # A SavedModel saved here must load where these tasks do not exist.
     _tf_internal.install_saved_model_device_rule()
@@ -120,3 +130,27 @@ class WorkerGroup:
 
 def _probe_peer(task):
   _tf_internal.check_peer_health(task, _PROBE_TIMEOUT)
+
+
+def translate_error(error: BaseException) -> BaseException:
+  """`error` (raised by TensorFlow in this process) with a clear message if it is a
+  collective's shape mismatch (still an `InvalidArgumentError`, raised from TensorFlow's);
+  else as `_watchdog.translate_error` makes it (`ClusterError` for a fault)."""
+  if not isinstance(error, tf.errors.InvalidArgumentError):
+    return _watchdog.translate_error(error)
+  found = _SHAPE_MISMATCH.search(error.message)
+  if found is None:
+    return _watchdog.translate_error(error)
+  device, mine, theirs = found.groups()
+  said = found.group(0)
+  message = (
+      f"The workers reduced tensors of different shapes in one collective: this worker's "
+      f"has shape {mine} (on {device}), another worker's {theirs}. Every worker must "
+      "reduce tensors of the same shape, in the same order; a shape read from each "
+      "worker's own data differs (such as the rows of a worker's part of a batch): reduce "
+      "a value of a fixed shape (a sum over the rows), or use gather() for rows. Tensors "
+      "reduced together travel concatenated, as one vector of all their elements. "
+      f"{_ADVICE} TensorFlow said: {said}.")
+  translated = tf.errors.InvalidArgumentError(error.node_def, error.op, message)
+  translated.__cause__ = error
+  return translated
