@@ -238,9 +238,8 @@ def test_host_names_that_do_not_resolve_are_left_to_connecting(monkeypatch):
   # that fails or hangs (a bad DNS) is left out of it, and the spec passes.
   import socket  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
-  import types  # pylint: disable=g-import-not-at-top
   from diststrat._cluster_runtime import _cluster_spec  # pylint: disable=g-import-not-at-top
-  release, asked = threading.Event(), []
+  release, asked, real_getaddrinfo = threading.Event(), [], socket.getaddrinfo
 
   def getaddrinfo(host, port, type=0):  # pylint: disable=redefined-builtin
     asked.append(host)
@@ -248,10 +247,9 @@ def test_host_names_that_do_not_resolve_are_left_to_connecting(monkeypatch):
       release.wait(10)
     if host in ("hangs", "fails"):
       raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-    return socket.getaddrinfo(host, port, type=type)
+    return real_getaddrinfo(host, port, type=type)
 
-  monkeypatch.setattr(_cluster_spec, "socket", types.SimpleNamespace(
-      getaddrinfo=getaddrinfo, SOCK_STREAM=socket.SOCK_STREAM))
+  monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
   monkeypatch.setattr(_cluster_spec, "_RESOLVE_TIMEOUT", 0.2)
   try:
     spec = {"ps": ["hangs:2", "fails:2"], "worker": ["127.0.0.1:2", "localhost:3"]}

@@ -62,41 +62,19 @@ def test_update_runs_colocated_with_var(s):
 
 
 @pytest.mark.parametrize("use_function", [False, True])
-def test_update_of_a_mirrored_variable_writes_every_copy(s, use_function):
-  """A variable another strategy mirrors is updated by that strategy: every copy gets
-  `fn`, as its own `update` does, never only the first."""
+@pytest.mark.parametrize("sync, kind", [
+    (tf.VariableSynchronization.AUTO, ds.values.MirroredVariable),
+    (tf.VariableSynchronization.ON_READ, ds.values.TowerLocalVariable)],
+    ids=["mirrored", "tower-local"])
+def test_update_of_another_strategys_variable_writes_every_copy(s, use_function, sync, kind):
+  """A variable another strategy made (mirrored or tower-local) is updated by that
+  strategy, as its own `update` in its scope does (the reference): every copy gets `fn`.
+  Both were updated on their first copy only (the second kept its old value)."""
   mirrored = ds.MirroredStrategy(CPUS[:2])
   with mirrored.scope():
-    v = tf.Variable([1.0, 2.0])
-
-  devices = []  # Where fn ran (traced once per copy in a tf.function).
-
-  def add(var, t):
-    devices.append(ds.get_update_device())
-    return var.assign_add(t)
-
-  def step():
-    s.update(v, add, tf.constant([10.0, 20.0]))
-
-  tf.function(step)() if use_function else step()
-  assert devices == list(v.devices)
-  for copy in v.values:
-    np.testing.assert_array_equal(copy.numpy(), [11.0, 22.0])
-
-
-@pytest.mark.parametrize("use_function", [False, True])
-def test_update_of_a_tower_local_variable_writes_every_copy_as_its_strategy_does(
-    s, use_function):
-  """A tower-local variable of another strategy was updated on its first copy only (the
-  second kept its old value); it is updated by its strategy, as that strategy's own
-  `update` in its scope does (the reference)."""
-  mirrored = ds.MirroredStrategy(CPUS[:2])
-  with mirrored.scope():
-    v = tf.Variable([1.0, 2.0], synchronization=tf.VariableSynchronization.ON_READ,
-                    aggregation=tf.VariableAggregation.SUM)
-    reference = tf.Variable([1.0, 2.0], synchronization=tf.VariableSynchronization.ON_READ,
-                            aggregation=tf.VariableAggregation.SUM)
-  assert isinstance(v, ds.values.TowerLocalVariable)
+    v, reference = (tf.Variable([1.0, 2.0], synchronization=sync,
+                                aggregation=tf.VariableAggregation.SUM) for _ in range(2))
+  assert isinstance(v, kind)
   devices = []  # Where fn ran (traced once per copy in a tf.function).
 
   def add(var, t):

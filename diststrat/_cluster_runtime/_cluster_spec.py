@@ -8,8 +8,6 @@ checked here, once, with errors that name what was wrong and where it came from.
 """
 
 import numbers
-import socket
-import threading
 import time
 from typing import Mapping, Optional
 
@@ -89,28 +87,6 @@ _RESOLVE_TIMEOUT = 3.0
 """Seconds all host names of a cluster spec may take to resolve (a bad DNS can hang)."""
 
 
-def _resolve_hosts(hosts, timeout):
-  """{host: set of IP addresses} for the `hosts` that resolve within `timeout` seconds
-  in all; a name that does not resolve, or not in time, is left out."""
-  found = {}
-
-  def resolve(host):
-    try:
-      infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-      return
-    found[host] = {str(info[4][0]) for info in infos}
-
-  threads = [threading.Thread(target=resolve, args=(host,), daemon=True,
-                              name="diststrat-resolve-host") for host in hosts]
-  for thread in threads:
-    thread.start()
-  deadline = time.monotonic() + timeout
-  for thread in threads:  # A thread that outlives this ends when getaddrinfo returns.
-    thread.join(max(0.0, deadline - time.monotonic()))
-  return dict(found)
-
-
 def _check_resolved_addresses(spec):
   """Raises ValueError if two tasks give one port on host names that resolve to a shared
   address ('localhost:2222' and '127.0.0.1:2222'). Only names that share a port are
@@ -124,8 +100,10 @@ def _check_resolved_addresses(spec):
   shared = [tasks for tasks in by_port.values() if len(tasks) > 1]
   if not shared:
     return
-  resolved = _resolve_hosts(sorted({t[0] for tasks in shared for t in tasks}),
-                            _RESOLVE_TIMEOUT)
+  found = _exposure.resolve_hosts(sorted({t[0] for tasks in shared for t in tasks}),
+                                  _RESOLVE_TIMEOUT)
+  resolved = {host: {str(sockaddr[0]) for _, sockaddr in infos}
+              for host, infos in found.items() if isinstance(infos, list)}
   for tasks in shared:
     for i, (host_a, address_a, task_a) in enumerate(tasks):
       for host_b, address_b, task_b in tasks[i + 1:]:

@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 
 logger = logging.getLogger("diststrat")
@@ -150,6 +151,30 @@ def is_this_machines_address(ip: str, sockaddr_tail: tuple = ()) -> bool:
       return True
   except OSError:  # Not this machine's (or no such address family here).
     return False
+
+
+def resolve_hosts(hosts, timeout: float) -> dict:
+  """{host: its addresses as [(family, sockaddr)], or the error resolving it raised} for
+  each of `hosts` that answered within `timeout` seconds in all; a host still resolving
+  then is left out. A bad DNS can hang `getaddrinfo`: each host resolves at once in a
+  daemon thread, and one that outlives this call ends when `getaddrinfo` returns."""
+  found: dict = {}
+
+  def resolve(host):
+    try:
+      found[host] = [(info[0], info[4])
+                     for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    except (OSError, UnicodeError) as e:
+      found[host] = e
+
+  threads = [threading.Thread(target=resolve, args=(host,), daemon=True,
+                              name="diststrat-resolve-host") for host in hosts]
+  for thread in threads:
+    thread.start()
+  deadline = time.monotonic() + timeout
+  for thread in threads:
+    thread.join(max(0.0, deadline - time.monotonic()))
+  return dict(found)
 
 
 def _binds_any_address(version):

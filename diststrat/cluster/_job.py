@@ -23,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
@@ -124,21 +123,11 @@ _RESOLVE_TIMEOUT = 10.0
 
 def _addresses(host, timeout):
   """The addresses `host` resolves to, as [(family, sockaddr)]; raises `LaunchError`."""
-  found = {}
-
-  def resolve():
-    try:
-      found["infos"] = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as e:
-      found["error"] = e
-
-  thread = threading.Thread(target=resolve, daemon=True, name="diststrat-run-resolve")
-  thread.start()
-  thread.join(timeout)
-  if "infos" in found:
-    return sorted({(info[0], info[4]) for info in found["infos"]})
-  why = (f"({getattr(found['error'], 'strerror', None) or found['error']})"
-         if "error" in found else f"(no answer within {timeout:g} s)")
+  found = _exposure.resolve_hosts([host], timeout).get(host)
+  if isinstance(found, list):
+    return sorted(set(found))
+  why = (f"({getattr(found, 'strerror', None) or found})" if found is not None
+         else f"(no answer within {timeout:g} s)")
   raise LaunchError(
       f"--hosts names {host!r}, which does not resolve to an address {why}; no task was "
       "started. Give each host's name as every host of the job resolves it (DNS or "
