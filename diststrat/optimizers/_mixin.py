@@ -66,16 +66,15 @@ class DistributedOptimizerMixin(_MixinBase):
 
     With the share, a batch whose size the towers do not divide (a ragged last batch)
     still gives one device's gradient: each tower's mean loss weighs by its examples.
-    In cross-tower context there is no tower: the loss is the global one, unscaled.
     """
     if self._loss_reduction != "mean":
       return 1.0
     tower = _context.get_tower_context()
-    if tower is None:
-      return 1.0
-    if tower.batch_share is not None:
+    if tower is not None and tower.batch_share is not None:
       return tower.batch_share
-    return 1.0 / tower.num_towers
+    num_towers = tower.num_towers if tower is not None else \
+        _context.get_distribution_strategy().num_towers
+    return 1.0 / num_towers
 
   @keeps_errors_in_tf_function
   def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,

@@ -90,8 +90,8 @@ class Optimizer(tf.Module):
   Args:
     name: the optimizer's name (used for its state variables).
     loss_reduction: "mean" (each tower's loss is a mean over its part of the global
-      batch) or "sum"; decides how `compute_gradients` scales the loss in a tower of
-      several (in cross-tower context the loss is the global one, never scaled).
+      batch) or "sum"; decides how `compute_gradients` scales the loss with several
+      towers.
 
   Example (a custom optimizer)::
 
