@@ -432,7 +432,7 @@ def test_serve_on_a_taken_port_names_the_task_and_the_port(monkeypatch):
 def test_a_probe_of_a_worker_that_connects_to_itself_is_not_an_answer(monkeypatch):
   """A parameter server looks four times a second at its workers' addresses, in the
   kernel's range of ephemeral ports; a connection to such a port where nothing listens
-  can get that very port as its own and connect to itself (about 1 ask in 14,000 here).
+  can get that very port as its own and connect to itself (rare, but it asks often).
   The PS took that for a worker that started, and stopped 2 s later while its workers
   were still starting, which then failed with "Connection refused" (CI, 2026-11-28)."""
   from diststrat.cluster import _serve  # pylint: disable=g-import-not-at-top

@@ -107,9 +107,9 @@ def _worker_answers(address: str) -> bool:
 
   A connection to a port of this machine where nothing listens can connect to itself:
   the kernel may pick that very port as the connection's own (both ends then open at
-  once). Worker ports of a Slurm step or of `diststrat-run` are in the range it picks
-  from, and this asks four times a second, so that happens (1 in about 14,000 asks on
-  Linux 6.18). Such a connection is nothing listening, not a worker that answers.
+  once). That can happen when the workers' ports are in the range the kernel picks
+  from (a port base chosen there, such as a free port the system gave), and this asks
+  four times a second. Such a connection is nothing listening, not a worker that answers.
   """
   host, port = address.rsplit(":", 1)
   try:
